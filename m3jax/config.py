@@ -1,0 +1,201 @@
+"""Model configuration: frozen dataclasses that mirror MiniMax-M3-VL's text and vision configs.
+
+Field names follow our style (whole words); `spec/m3_architecture.md` §2 gives the transformers name
+for each, and `m3jax/convert/` (later) translates. Every inconsistency a user can write is rejected in
+`__post_init__` with a message that names the field and its value.
+"""
+
+import dataclasses
+
+ATTENTION_TYPES = ("full_attention", "minimax_m3_sparse")
+MLP_TYPES = ("dense", "sparse")
+DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MSAConfig:
+    """MiniMax Sparse Attention: the index branch and its block selection (`spec/msa.md` §1)."""
+
+    index_heads: int = 4  # Hi; must equal the model's num_kv_heads (one index head per GQA group)
+    index_head_dim: int = 128  # Di
+    block_size: int = 128  # keys per block
+    topk_blocks: int = 16  # blocks kept per (query, index head), local blocks included
+    local_blocks: int = 1  # blocks ending at the query's own block that are always kept
+
+    def __post_init__(self):
+        for name in ("index_heads", "index_head_dim", "block_size", "topk_blocks", "local_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"msa.{name}={getattr(self, name)} must be >= 1")
+        if self.local_blocks > self.topk_blocks:
+            raise ValueError(
+                f"msa.local_blocks={self.local_blocks} exceeds msa.topk_blocks={self.topk_blocks}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Sigmoid-routed mixture of experts with one shared expert (`spec/m3_architecture.md` §3.6)."""
+
+    num_experts: int = 128
+    experts_per_token: int = 4
+    expert_dim: int = 3072  # width of one routed expert (HF intermediate_size)
+    shared_expert_dim: int = 3072
+    routed_scaling: float = 2.0
+    # Aux-loss-free balancing: after each step, bias_e += rate * sign(mean load - load_e).
+    bias_update_rate: float = 1e-3
+    balance_loss_weight: float = 0.0  # optional auxiliary load-balance loss; 0 disables it
+
+    def __post_init__(self):
+        if self.num_experts < 1 or self.experts_per_token < 1:
+            raise ValueError(
+                f"moe.num_experts={self.num_experts} and moe.experts_per_token="
+                f"{self.experts_per_token} must both be >= 1"
+            )
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"moe.experts_per_token={self.experts_per_token} exceeds "
+                f"moe.num_experts={self.num_experts}"
+            )
+        if self.expert_dim < 1 or self.shared_expert_dim < 1:
+            raise ValueError(
+                f"moe.expert_dim={self.expert_dim} and moe.shared_expert_dim="
+                f"{self.shared_expert_dim} must be >= 1"
+            )
+        if self.bias_update_rate < 0 or self.balance_loss_weight < 0:
+            raise ValueError("moe.bias_update_rate and moe.balance_loss_weight must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    """ViT tower and projector (`spec/m3_architecture.md` §4-5). The text model does not read it yet."""
+
+    hidden_size: int = 1280
+    intermediate_size: int = 5120
+    num_layers: int = 32
+    num_heads: int = 16
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    projector_hidden_size: int = 6144
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"vision.hidden_size={self.hidden_size} is not a multiple of "
+                f"vision.num_heads={self.num_heads}"
+            )
+        for name in (
+            "intermediate_size",
+            "num_layers",
+            "patch_size",
+            "temporal_patch_size",
+            "spatial_merge_size",
+            "projector_hidden_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"vision.{name}={getattr(self, name)} must be >= 1")
+
+
+def expand_layer_pattern(entries: tuple[str, ...], field: str) -> tuple[str, ...]:
+    """`("full_attention*3", "minimax_m3_sparse*57")` -> 60 names; plain names count once."""
+    names = []
+    for entry in entries:
+        name, _, count = entry.partition("*")
+        name = name.strip()
+        if count and not count.strip().isdigit():
+            raise ValueError(f"{field}: bad repeat count in {entry!r} (write 'name*N')")
+        names.extend([name] * (int(count) if count else 1))
+    return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The M3 decoder. Defaults are the released MiniMax-M3 text shape (`configs/m3.yaml`)."""
+
+    vocab_size: int = 200064
+    hidden_size: int = 6144
+    num_layers: int = 60
+    num_heads: int = 64
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    rotary_dim: int = 64  # partial NeoX RoPE on the first rotary_dim channels of each head
+    rope_theta: float = 5e6
+    rms_norm_eps: float = 1e-6
+    dense_mlp_dim: int = 12288  # MLP width of "dense" layers
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # Per layer, as transformers' layer_types / mlp_layer_types; "name*N" repeats a name N times.
+    layer_types: tuple[str, ...] = ("full_attention*3", "minimax_m3_sparse*57")
+    mlp_layer_types: tuple[str, ...] = ("dense*3", "sparse*57")
+    init_std: float = 0.02
+    dtype: str = (
+        "float32"  # activation/matmul dtype; params stay float32, norms/softmax/router fp32
+    )
+    remat: str = "none"  # what the backward pass recomputes per layer: none | full | save_dots
+    msa: MSAConfig = MSAConfig()
+    moe: MoEConfig = MoEConfig()
+    vision: VisionConfig | None = None
+
+    def __post_init__(self):
+        object.__setattr__(
+            self, "layer_types", expand_layer_pattern(self.layer_types, "layer_types")
+        )
+        object.__setattr__(
+            self, "mlp_layer_types", expand_layer_pattern(self.mlp_layer_types, "mlp_layer_types")
+        )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "dense_mlp_dim",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
+            )
+        for field, kinds, allowed in (
+            ("layer_types", self.layer_types, ATTENTION_TYPES),
+            ("mlp_layer_types", self.mlp_layer_types, MLP_TYPES),
+        ):
+            if len(kinds) != self.num_layers:
+                raise ValueError(
+                    f"{field} lists {len(kinds)} layers but num_layers={self.num_layers}"
+                )
+            for i, kind in enumerate(kinds):
+                if kind not in allowed:
+                    raise ValueError(f"{field}[{i}]={kind!r} is not one of {allowed}")
+        if "minimax_m3_sparse" in self.layer_types:
+            if self.msa.index_heads != self.num_kv_heads:
+                raise ValueError(
+                    f"msa.index_heads={self.msa.index_heads} must equal "
+                    f"num_kv_heads={self.num_kv_heads} (one index head per GQA group)"
+                )
+            if self.msa.index_head_dim < self.rotary_dim:
+                raise ValueError(
+                    f"msa.index_head_dim={self.msa.index_head_dim} is smaller than "
+                    f"rotary_dim={self.rotary_dim}: transformers' indexer RoPE is then not a rotation"
+                )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}")
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per KV head (G)."""
+        return self.num_heads // self.num_kv_heads
+
+    def layer_kind(self, i: int) -> tuple[str, str]:
+        return self.layer_types[i], self.mlp_layer_types[i]

@@ -1,0 +1,126 @@
+"""The M3 text decoder, and the functional interface the trainer and the tests use.
+
+M3TextModel: embeddings (no √d scaling) -> layer stacks -> final Gemma norm -> untied lm_head
+(spec/m3_architecture.md §3). `Functional` wraps it for pure `jax.jit` code: parameters and buffers
+are plain nested dicts of arrays (what Orbax saves and optax updates), and `apply` merges them into
+the module graph inside the traced function.
+
+Shapes: B batch, S sequence, D model width, V vocab.
+"""
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3jax import params
+from m3jax.attention import AttentionInputs
+from m3jax.config import ModelConfig
+from m3jax.decoder import LayerStack
+from m3jax.moe import balanced_bias
+from m3jax.norms import RMSNorm
+from m3jax.rope import rope_tables
+from pallas_kernels.attention.reference import document_causal_mask
+
+
+def layer_runs(config: ModelConfig) -> list[tuple[str, str, int]]:
+    """Consecutive layers of one (attention type, mlp type) -> [(attention, mlp, count), ...]."""
+    kinds = zip(config.layer_types, config.mlp_layer_types)
+    return [(*kind, len(list(group))) for kind, group in itertools.groupby(kinds)]
+
+
+class M3TextModel(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dim, vocab, std = config.hidden_size, config.vocab_size, config.init_std
+        self.embed = params.normal(rngs, (vocab, dim), ("vocab", "embed"), std)
+        self.stacks = nnx.List(
+            [LayerStack(config, a, m, n, rngs=rngs) for a, m, n in layer_runs(config)]
+        )
+        self.final_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.lm_head = params.normal(rngs, (dim, vocab), ("embed", "vocab"), std)
+        self.config = config
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> tuple[jax.Array, list[dict]]:
+        """tokens, positions, segment_ids: [B, S] int32 (segment 0 = padding).
+
+        Returns logits [B, S, V] fp32 and, per layer stack, stats stacked over its layers.
+        """
+        config = self.config
+        x = self.embed[...][tokens].astype(config.dtype)
+        cos, sin = rope_tables(positions, config.rotary_dim, config.rope_theta)
+        inputs = AttentionInputs(
+            positions, segment_ids, cos, sin, document_causal_mask(segment_ids)
+        )
+        stats = []
+        for stack in self.stacks:
+            x, stack_stats = stack(x, inputs)
+            stats.append(stack_stats)
+        x = self.final_norm(x)
+        logits = jnp.einsum(
+            "bsd,dv->bsv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32
+        )
+        return logits, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class Functional:
+    """A model as pure functions over (params, buffers): nested dicts of arrays."""
+
+    config: ModelConfig
+    graphdef: Any
+    param_axes: dict  # same structure as params; leaves are tuples of logical axis names
+    buffer_axes: dict
+
+    def init(self, seed: int) -> tuple[dict, dict]:
+        """Fresh (params, buffers). Jit it with out_shardings to create them already sharded."""
+        model = M3TextModel(self.config, rngs=nnx.Rngs(seed))
+        _, param_state, buffer_state = nnx.split(model, nnx.Param, params.Buffer)
+        return nnx.to_pure_dict(param_state), nnx.to_pure_dict(buffer_state)
+
+    def shapes(self) -> tuple[dict, dict]:
+        """ShapeDtypeStructs of (params, buffers); nothing is allocated."""
+        return jax.eval_shape(self.init, 0)
+
+    def apply(
+        self,
+        params: dict,
+        buffers: dict,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+    ) -> tuple[jax.Array, list[dict]]:
+        """Forward pass: see M3TextModel.__call__."""
+        model = nnx.merge(self.graphdef, params, buffers)
+        return model(tokens, positions, segment_ids)
+
+    def rebalanced(self, buffers: dict, stats: list[dict], rate: float) -> dict:
+        """Buffers after one aux-loss-free step of every router bias, from `apply`'s expert loads."""
+        stacks = dict(buffers.get("stacks", {}))
+        for i, stack_stats in enumerate(stats):
+            if "moe" in stack_stats:
+                bias = stacks[i]["layers"]["mlp"]["correction_bias"]
+                bias = balanced_bias(bias, stack_stats["moe"]["load"], rate)
+                stacks[i] = {"layers": {"mlp": {"correction_bias": bias}}}
+        return {**buffers, "stacks": stacks}
+
+
+def functional(config: ModelConfig) -> Functional:
+    """Traces the module structure once (abstractly) and returns its functional form."""
+    model = nnx.eval_shape(lambda: M3TextModel(config, rngs=nnx.Rngs(0)))
+    graphdef, param_state, buffer_state = nnx.split(model, nnx.Param, params.Buffer)
+    return Functional(config, graphdef, _axes(param_state), _axes(buffer_state))
+
+
+def _axes(state: nnx.State) -> dict:
+    return nnx.to_pure_dict(
+        jax.tree.map(
+            lambda v: v.get_metadata()["logical_axes"],
+            state,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+    )

@@ -1,0 +1,28 @@
+"""Partial rotary position embedding, NeoX half-split layout (spec/m3_architecture.md §3.4).
+
+Only the first R = rotary_dim channels of a head rotate; channel i pairs with channel i + R/2.
+cos/sin are computed in fp32 and cast to the activation dtype before rotating, as transformers does.
+Shapes: B batch, S sequence, N heads, Dh head dim, R rotary dims.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """positions [B, S] -> (cos, sin), each [B, S, R] fp32, frequencies θ^(-2j/R) repeated twice."""
+    inv_freq = theta ** (-jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, R/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates the first R = cos.shape[-1] channels of x [B, S, N, Dh]; the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    first, second = jnp.split(rot, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)

@@ -1,0 +1,81 @@
+"""Logical axis names -> mesh axes: the one table that decides how m3jax is sharded.
+
+Mesh axes (always all five; a size-1 axis costs nothing): data, fsdp, expert, seq, tensor.
+Parameters carry logical names (m3jax/params.py); `RULES` maps each name to mesh axes. A dimension
+that its mesh axes do not divide is replicated instead (e.g. 4 kv heads on tensor=8), so every
+config runs on every mesh; the choice is visible in `describe`.
+"""
+
+import math
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "expert", "seq", "tensor")
+
+RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp", "expert")),  # outside the experts, the expert axis is data parallel
+    ("seq", ("seq",)),
+    ("embed", ("fsdp",)),
+    ("vocab", ("tensor",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("mlp", ("tensor",)),
+    ("expert", ("expert",)),
+    ("layers", ()),
+    ("head_dim", ()),
+    ("norm", ()),
+)
+
+
+def make_mesh(axis_sizes: Mapping[str, int], devices: list | None = None) -> Mesh:
+    """A mesh over all devices with axes MESH_AXES; one size may be -1 (= whatever is left)."""
+    devices = jax.devices() if devices is None else devices
+    sizes = [axis_sizes.get(name, 1) for name in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    known = math.prod(size for size in sizes if size != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh: {len(devices)} devices are not divisible by {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+            f"found {len(devices)}"
+        )
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def partition_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Logical axes of one array -> PartitionSpec, replicating dims their mesh axes don't divide."""
+    rules = dict(RULES)
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(axes, shape, strict=True):
+        if name is not None and name not in rules:
+            raise ValueError(f"logical axis {name!r} has no rule in m3jax.sharding.RULES")
+        mesh_axes = tuple(a for a in rules.get(name, ()) if a not in used and mesh.shape[a] > 1)
+        if not mesh_axes or dim % math.prod(mesh.shape[a] for a in mesh_axes):
+            spec.append(None)
+            continue
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*spec)
+
+
+def tree_shardings(axes_tree, shapes_tree, mesh: Mesh):
+    """NamedShardings for a pytree, from its logical axes tree (tuples as leaves) and shapes."""
+    return jax.tree.map(
+        lambda axes, x: NamedSharding(mesh, partition_spec(axes, x.shape, mesh)),
+        axes_tree,
+        shapes_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of [B, S] input arrays: rows over the data-parallel axes, sequence over seq."""
+    return NamedSharding(mesh, PartitionSpec(dict(RULES)["batch"], dict(RULES)["seq"]))

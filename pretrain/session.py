@@ -1,0 +1,98 @@
+"""A training session: the mesh, the sharded train state, the compiled step and its checkpoints.
+
+Parameters are created directly in their sharded layout (a jitted init with out_shardings) or
+restored from the latest checkpoint onto the current mesh; the data iterator state travels in the
+same checkpoint, so a resumed run continues with exactly the next batch.
+"""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from m3jax import sharding
+from m3jax.config_loading import ConfigError
+from m3jax.model import Functional
+from pretrain.checkpointing import Checkpoints, abstract_with_shardings
+from pretrain.config import RunConfig
+from pretrain.optimizer import learning_rate, make_optimizer
+from pretrain.train_step import init_state, make_train_step
+
+
+class TrainingSession:
+    def __init__(self, model: Functional, run: RunConfig, checkpoints: Checkpoints):
+        self.model, self.run, self.checkpoints = model, run, checkpoints
+        self.mesh = sharding.make_mesh(dataclasses.asdict(run.mesh))
+        data_parallel = math.prod(self.mesh.shape[a] for a in ("data", "fsdp", "expert"))
+        if run.data.batch_size % data_parallel:
+            raise ConfigError(
+                f"data.batch_size={run.data.batch_size} is not a multiple of the "
+                f"data-parallel mesh size {data_parallel}"
+            )
+        schedule = learning_rate(run.optimizer, run.train.steps)
+        self.optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)
+        self.abstract_state = jax.eval_shape(
+            lambda: init_state(model, self.optimizer, run.train.seed)
+        )
+        self.state_shardings = self._state_shardings()
+        self.batch_sharding = sharding.batch_sharding(self.mesh)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._step = jax.jit(
+            make_train_step(model, self.optimizer, schedule, run),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self.state = None
+
+    @property
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.abstract_state["params"]))
+
+    def restore_or_init(self, loader) -> int:
+        """Restores the latest checkpoint (and the loader's position) or initialises; returns step."""
+        step = self.checkpoints.latest_step()
+        if step is None:
+            init = jax.jit(
+                lambda: init_state(self.model, self.optimizer, self.run.train.seed),
+                out_shardings=self.state_shardings,
+            )
+            self.state = init()
+            return 0
+        target = abstract_with_shardings(self.abstract_state, self.state_shardings)
+        self.state, data_state = self.checkpoints.restore(step, target)
+        loader.restore(data_state)
+        return step
+
+    def step(self, batch: dict[str, np.ndarray]) -> dict:
+        """One optimizer step; returns its metrics as (unfetched) device arrays."""
+        batch = {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+            for k, v in batch.items()
+        }
+        self.state, metrics = self._step(self.state, batch)
+        return metrics
+
+    def save(self, step: int, loader) -> None:
+        self.checkpoints.save(step, self.state, loader.state())
+
+    def _state_shardings(self) -> dict:
+        mesh, model, abstract = self.mesh, self.model, self.abstract_state
+        replicated = NamedSharding(mesh, PartitionSpec())
+        params = sharding.tree_shardings(model.param_axes, abstract["params"], mesh)
+        opt_state = optax.tree_map_params(
+            self.optimizer,
+            lambda _, s: s,
+            abstract["opt_state"],
+            params,
+            transform_non_params=lambda _: replicated,
+        )
+        return {
+            "step": replicated,
+            "params": params,
+            "buffers": sharding.tree_shardings(model.buffer_axes, abstract["buffers"], mesh),
+            "opt_state": opt_state,
+        }

@@ -1,0 +1,231 @@
+"""`m3-train`: pretrain an M3 model from a YAML config, resuming from the run's latest checkpoint.
+
+    m3-train --config configs/demo.yaml [--run-dir runs/demo] [section.key=value ...]
+
+RUN_DIR holds config.yaml, checkpoints/<step>/, metrics.jsonl and tensorboard/. A run directory
+with checkpoints is always resumed, never overwritten; the model config must match the saved one.
+The first Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits (a second
+Ctrl-C aborts at once). Bad input stops with one line on stderr and exit code 2.
+"""
+
+import argparse
+import dataclasses
+import pathlib
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from data.text_corpus import load_documents
+from data.text_loader import PackedTextLoader
+from data.tokenizer import ByteTokenizer
+from m3jax.config_loading import ConfigError, from_mapping, load_yaml, to_mapping
+from m3jax.model import functional
+from pretrain.checkpointing import CheckpointError, Checkpoints
+from pretrain.config import RunConfig, load_run_config
+from pretrain.metrics import MetricsWriter, read_metrics
+from pretrain.session import TrainingSession
+
+LOG_KEYS = ("loss", "nll", "grad_norm", "lr", "expert_imbalance", "tokens_per_s")
+
+
+class RunError(RuntimeError):
+    """The run cannot start as asked (incompatible run directory, unusable data source, ...)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="m3-train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/demo.yaml")
+    parser.add_argument("--run-dir", help="where checkpoints and logs go (default runs/<config>)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optimizer.lr=1e-3")
+    args = parser.parse_args(argv)
+    run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.config).stem}")
+    try:
+        run = load_run_config(args.config, args.overrides)
+        summary = train(run, run_dir)
+    except (ConfigError, CheckpointError, RunError) as e:
+        print(f"m3-train: error: {e}", file=sys.stderr)
+        return 2
+    return 128 + summary["stopped_by_signal"] if summary["stopped_by_signal"] else 0
+
+
+def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
+    """Trains until run.train.steps (or a stop signal); returns the summary it prints."""
+    _check_saved_model(run_dir, run)
+    loader = _make_loader(run)
+    session = TrainingSession(
+        functional(run.model), run, Checkpoints(run_dir / "checkpoints", run.checkpoint)
+    )
+    start = session.restore_or_init(loader)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
+    writer = MetricsWriter(run_dir, tensorboard=run.logging.tensorboard, resume_step=start)
+    print(
+        f"m3-train: {'resuming at step ' + str(start) if start else 'starting'} in {run_dir} "
+        f"({session.num_params / 1e6:.2f}M params, {jax.device_count()} {jax.default_backend()} "
+        f"device(s), mesh {dict(session.mesh.shape)})",
+        flush=True,
+    )
+    try:
+        with _StopOnSignal() as stop:
+            stopped_at = _loop(session, loader, writer, start, stop, run)
+    finally:
+        writer.close()
+        session.checkpoints.wait()
+        session.checkpoints.close()
+    summary = _summary(run_dir, start, stopped_at, stop.signum)
+    _print_summary(summary)
+    return summary
+
+
+def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
+    """Runs steps start..total; returns the step reached. Checkpoints at intervals and on stop."""
+    total, log_every, save_every = (
+        run.train.steps,
+        run.logging.every_steps,
+        run.checkpoint.every_steps,
+    )
+    pending, window_start = [], time.perf_counter()
+    step = start
+    bar = tqdm(
+        total=total,
+        initial=start,
+        desc="train",
+        unit="step",
+        mininterval=1.0,
+        disable=not run.logging.progress_bar,
+        dynamic_ncols=True,
+    )
+    with bar:
+        while step < total and not stop.signum:
+            metrics = session.step(next(loader))
+            step += 1
+            pending.append(metrics)
+            if step == start + 1:
+                jax.block_until_ready(metrics)
+                bar.write(
+                    f"m3-train: first step (incl. compilation) took {time.perf_counter() - window_start:.1f} s"
+                )
+                pending, window_start = [], time.perf_counter()
+            if pending and (step % log_every == 0 or step == total):
+                logged = _reduce(jax.device_get(pending), time.perf_counter() - window_start)
+                writer.write(step, logged)
+                bar.set_postfix(loss=f"{logged['loss']:.3f}", refresh=False)
+                bar.write(
+                    f"step {step:>6}/{total} | "
+                    + " | ".join(f"{k} {logged[k]:.4g}" for k in LOG_KEYS if k in logged)
+                )
+                pending, window_start = [], time.perf_counter()
+            if step % save_every == 0 or step == total or stop.signum:
+                session.save(step, loader)
+            bar.update(1)
+    if stop.signum:
+        print(
+            f"m3-train: {signal.Signals(stop.signum).name}: saved checkpoint at step {step}, stopping"
+        )
+    return step
+
+
+def _reduce(window: list[dict], seconds: float) -> dict:
+    """Means of a logging window's per-step metrics, plus throughput."""
+    logged = {k: float(np.mean([m[k] for m in window])) for k in window[0] if k != "tokens"}
+    logged["tokens_per_s"] = float(sum(m["tokens"] for m in window)) / max(seconds, 1e-9)
+    return logged
+
+
+def _make_loader(run: RunConfig) -> PackedTextLoader:
+    tokenizer = ByteTokenizer()
+    if run.model.vocab_size < tokenizer.vocab_size:
+        raise RunError(
+            f"model.vocab_size={run.model.vocab_size} is smaller than the byte "
+            f"tokenizer's {tokenizer.vocab_size} ids"
+        )
+    try:
+        documents = load_documents(run.data.source)
+        return PackedTextLoader(
+            documents,
+            tokenizer,
+            seq_len=run.data.seq_len,
+            batch_size=run.data.batch_size,
+            seed=run.data.seed,
+        )
+    except (OSError, ValueError, TypeError) as e:
+        raise RunError(f"data.source={run.data.source!r}: {e}") from None
+
+
+def _check_saved_model(run_dir: pathlib.Path, run: RunConfig) -> None:
+    """A run directory belongs to one model: refuse to resume it with different model fields."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.exists():
+        return
+    saved = from_mapping(RunConfig, load_yaml(saved_path), where=str(saved_path)).model
+    for field in dataclasses.fields(saved):
+        before, now = getattr(saved, field.name), getattr(run.model, field.name)
+        if before != now:
+            raise RunError(
+                f"{run_dir} holds a run with model.{field.name}={before!r}, not {now!r}; "
+                "use another --run-dir to start a new run"
+            )
+
+
+def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
+    history = read_metrics(run_dir / "metrics.jsonl")
+    session_history = [r for r in history if r["step"] > start]
+    return {
+        "run_dir": str(run_dir),
+        "start_step": start,
+        "end_step": end,
+        "first_loss": history[0]["loss"] if history else None,
+        "last_loss": history[-1]["loss"] if history else None,
+        "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in session_history]))
+        if session_history
+        else None,
+        "stopped_by_signal": signum,
+    }
+
+
+def _print_summary(summary: dict) -> None:
+    print("m3-train: summary")
+    print(f"  steps        {summary['start_step']} -> {summary['end_step']}")
+    if summary["first_loss"] is not None:
+        print(
+            f"  loss         {summary['first_loss']:.4f} (first logged) -> {summary['last_loss']:.4f} (last)"
+        )
+    if summary["tokens_per_s"] is not None:
+        print(
+            f"  throughput   {summary['tokens_per_s']:,.0f} tokens/s (this session, after compilation)"
+        )
+    print(f"  run dir      {summary['run_dir']} (checkpoints/, metrics.jsonl, tensorboard/)")
+
+
+class _StopOnSignal:
+    """The first SIGINT/SIGTERM asks the loop to checkpoint and stop; a second SIGINT aborts."""
+
+    def __enter__(self):
+        self.signum = 0
+        self._previous = {
+            s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(
+            f"\nm3-train: {signal.Signals(signum).name} received: saving a checkpoint after this step "
+            "(Ctrl-C again to abort without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""One optimizer step as a pure function of (state, batch), for `jax.jit`.
+
+state = {"step", "params", "buffers", "opt_state"}: nested dicts of arrays, what Orbax saves.
+loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE balance loss. After
+the update, each router's correction bias moves toward balanced load (outside the optimizer).
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from m3jax.model import Functional
+from pretrain.config import RunConfig
+from pretrain.loss import load_balance_loss, next_token_loss
+
+Batch = dict[str, jax.Array]  # tokens, targets, positions, segment_ids: [B, S] int32; loss_mask
+
+
+def init_state(model: Functional, optimizer: optax.GradientTransformation, seed: int) -> dict:
+    params, buffers = model.init(seed)
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "buffers": buffers,
+        "opt_state": optimizer.init(params),
+    }
+
+
+def make_train_step(
+    model: Functional,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    run: RunConfig,
+) -> Callable[[dict, Batch], tuple[dict, dict]]:
+    moe = run.model.moe
+    z_loss_weight = run.optimizer.z_loss_weight
+
+    def loss_fn(params, buffers, batch):
+        logits, stats = model.apply(
+            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"]
+        )
+        nll, z_loss = next_token_loss(logits, batch["targets"], batch["loss_mask"])
+        metrics = {"nll": nll, "z_loss": z_loss}
+        loss = nll + z_loss_weight * z_loss
+        moe_stats = [s["moe"] for s in stats if "moe" in s]
+        if moe_stats:
+            load = jnp.concatenate([s["load"] for s in moe_stats])  # [MoE layers, E]
+            share = jnp.concatenate([s["score_share"] for s in moe_stats])
+            balance = load_balance_loss(load, share, moe.experts_per_token)
+            loss += moe.balance_loss_weight * balance
+            metrics["balance_loss"] = balance
+            # max/mean tokens per expert, averaged over MoE layers: 1.0 = perfectly balanced
+            metrics["expert_imbalance"] = (load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).mean()
+        return loss, (metrics, stats)
+
+    def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (metrics, stats)), grads = grad_fn(state["params"], state["buffers"], batch)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        new_state = {
+            "step": state["step"] + 1,
+            "params": optax.apply_updates(state["params"], updates),
+            "buffers": model.rebalanced(state["buffers"], stats, moe.bias_update_rate),
+            "opt_state": opt_state,
+        }
+        metrics.update(
+            loss=loss,
+            grad_norm=optax.global_norm(grads),
+            lr=schedule(state["step"]),
+            tokens=(batch["segment_ids"] > 0).sum(),
+        )
+        return new_state, metrics
+
+    return train_step
