@@ -78,7 +78,7 @@ class Functional:
 
     def init(self, seed: int) -> tuple[dict, dict]:
         """Fresh (params, buffers). Jit it with out_shardings to create them already sharded."""
-        model = M3TextModel(self.config, rngs=nnx.Rngs(seed))
+        model = M3TextModel(self.config, rngs=nnx.Rngs(jax.random.key(seed)))
         _, param_state, buffer_state = nnx.split(model, nnx.Param, params.Buffer)
         return nnx.to_pure_dict(param_state), nnx.to_pure_dict(buffer_state)
 

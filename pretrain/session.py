@@ -52,15 +52,19 @@ class TrainingSession:
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.abstract_state["params"]))
 
+    def initialize(self) -> None:
+        """Fresh state, created directly in its sharded layout."""
+        init = jax.jit(
+            lambda: init_state(self.model, self.optimizer, self.run.train.seed),
+            out_shardings=self.state_shardings,
+        )
+        self.state = init()
+
     def restore_or_init(self, loader) -> int:
         """Restores the latest checkpoint (and the loader's position) or initialises; returns step."""
         step = self.checkpoints.latest_step()
         if step is None:
-            init = jax.jit(
-                lambda: init_state(self.model, self.optimizer, self.run.train.seed),
-                out_shardings=self.state_shardings,
-            )
-            self.state = init()
+            self.initialize()
             return 0
         target = abstract_with_shardings(self.abstract_state, self.state_shardings)
         self.state, data_state = self.checkpoints.restore(step, target)

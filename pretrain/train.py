@@ -83,56 +83,45 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
 
 def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
     """Runs steps start..total; returns the step reached. Checkpoints at intervals and on stop."""
-    total, log_every, save_every = (
-        run.train.steps,
-        run.logging.every_steps,
-        run.checkpoint.every_steps,
-    )
-    pending, window_start = [], time.perf_counter()
+    total, log_every = run.train.steps, run.logging.every_steps
+    pending, window_start, untimed = [], time.perf_counter(), 0
     step = start
-    bar = tqdm(
-        total=total,
-        initial=start,
-        desc="train",
-        unit="step",
-        mininterval=1.0,
-        disable=not run.logging.progress_bar,
-        dynamic_ncols=True,
-    )
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", mininterval=1.0,
+               disable=not run.logging.progress_bar, dynamic_ncols=True)  # fmt: skip
     with bar:
         while step < total and not stop.signum:
             metrics = session.step(next(loader))
             step += 1
             pending.append(metrics)
-            if step == start + 1:
+            if step == start + 1:  # compilation: keep its metrics, leave it out of throughput
                 jax.block_until_ready(metrics)
-                bar.write(
-                    f"m3-train: first step (incl. compilation) took {time.perf_counter() - window_start:.1f} s"
+                seconds = time.perf_counter() - window_start
+                bar.write(f"m3-train: first step (incl. compilation) took {seconds:.1f} s")
+                window_start, untimed = time.perf_counter(), 1
+            if step % log_every == 0 or step == total:
+                logged = _reduce(
+                    jax.device_get(pending), untimed, time.perf_counter() - window_start
                 )
-                pending, window_start = [], time.perf_counter()
-            if pending and (step % log_every == 0 or step == total):
-                logged = _reduce(jax.device_get(pending), time.perf_counter() - window_start)
                 writer.write(step, logged)
                 bar.set_postfix(loss=f"{logged['loss']:.3f}", refresh=False)
-                bar.write(
-                    f"step {step:>6}/{total} | "
-                    + " | ".join(f"{k} {logged[k]:.4g}" for k in LOG_KEYS if k in logged)
-                )
-                pending, window_start = [], time.perf_counter()
-            if step % save_every == 0 or step == total or stop.signum:
+                parts = [f"{k} {logged[k]:.4g}" for k in LOG_KEYS if k in logged]
+                bar.write(f"step {step:>6}/{total} | " + " | ".join(parts))
+                pending, window_start, untimed = [], time.perf_counter(), 0
+            if step % run.checkpoint.every_steps == 0 or step == total or stop.signum:
                 session.save(step, loader)
             bar.update(1)
     if stop.signum:
-        print(
-            f"m3-train: {signal.Signals(stop.signum).name}: saved checkpoint at step {step}, stopping"
-        )
+        name = signal.Signals(stop.signum).name
+        print(f"m3-train: {name}: saved checkpoint at step {step}, stopping", flush=True)
     return step
 
 
-def _reduce(window: list[dict], seconds: float) -> dict:
-    """Means of a logging window's per-step metrics, plus throughput."""
+def _reduce(window: list[dict], untimed: int, seconds: float) -> dict:
+    """Means of a logging window's per-step metrics; throughput over its steps after `untimed`."""
     logged = {k: float(np.mean([m[k] for m in window])) for k in window[0] if k != "tokens"}
-    logged["tokens_per_s"] = float(sum(m["tokens"] for m in window)) / max(seconds, 1e-9)
+    if len(window) > untimed:
+        tokens = sum(int(m["tokens"]) for m in window[untimed:])
+        logged["tokens_per_s"] = tokens / max(seconds, 1e-9)
     return logged
 
 
@@ -180,11 +169,13 @@ def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
         "end_step": end,
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
-        "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in session_history]))
-        if session_history
-        else None,
+        "tokens_per_s": _mean([r["tokens_per_s"] for r in session_history if "tokens_per_s" in r]),
         "stopped_by_signal": signum,
     }
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
 
 
 def _print_summary(summary: dict) -> None:

@@ -67,7 +67,7 @@ def make_train_step(
         }
         metrics.update(
             loss=loss,
-            grad_norm=optax.global_norm(grads),
+            grad_norm=optax.tree.norm(grads),
             lr=schedule(state["step"]),
             tokens=(batch["segment_ids"] > 0).sum(),
         )

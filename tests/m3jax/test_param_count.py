@@ -1,0 +1,40 @@
+"""The m3 config's parameter count, derived by hand from spec/m3_architecture.md §7.1.
+
+Built abstractly (jax.eval_shape): nothing is allocated.
+"""
+
+from conftest import REPO
+
+from m3jax.counting import count_params
+from m3jax.model import functional
+from pretrain.config import load_run_config
+
+
+def test_param_count_m3_matches_hand_formula():
+    config = load_run_config(REPO / "configs/m3.yaml").model
+    d, vocab, heads, kv_heads, head_dim = 6144, 200064, 64, 4, 128
+    index_heads, index_dim = 4, 128
+    experts, k, expert_dim, shared_dim, dense_dim = 128, 4, 3072, 3072, 12288
+    n_dense, n_sparse = 3, 57
+
+    attention = (
+        2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 2 * head_dim
+    )  # q,o,k,v,norms
+    indexer = d * index_heads * index_dim + d * index_dim + 2 * index_dim
+    dense_mlp = 3 * d * dense_dim
+    routed = experts * 3 * d * expert_dim
+    moe = d * experts + routed + 3 * d * shared_dim  # router, experts, shared expert
+    layer_norms = 2 * d
+    total = (
+        2 * vocab * d  # embeddings and untied lm_head
+        + d  # final norm
+        + n_dense * (attention + dense_mlp + layer_norms)
+        + n_sparse * (attention + indexer + moe + layer_norms)
+    )
+    active = total - n_sparse * routed + n_sparse * routed * k // experts
+
+    count = count_params(functional(config))
+    assert count.total == total
+    assert count.active == active
+    # The published "≈400B total, ≈20B active" class: our exact figures are 426.2B and 26.0B.
+    assert 4.2e11 < count.total < 4.3e11 and 2.5e10 < count.active < 2.7e10

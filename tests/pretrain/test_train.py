@@ -1,0 +1,173 @@
+"""The training loop end to end: loss falls, resume is exact, signals checkpoint, bad input stops."""
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import yaml
+
+from conftest import REPO
+from m3jax.config_loading import to_mapping
+from pretrain.metrics import read_metrics
+from pretrain.train import main, train
+from tiny import tiny_run
+
+
+def restored_params(run_dir, step):
+    checkpointer = ocp.StandardCheckpointer()
+    return checkpointer.restore(run_dir / "checkpoints" / str(step) / "state")["params"]
+
+
+def tree_equal(a, b):
+    import jax
+
+    return all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def write_config(tmp_path, run):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(to_mapping(run)))
+    return path
+
+
+def test_train_loss_falls_on_shakespeare(tmp_path):
+    run = tiny_run(train={"steps": 40}, logging={"every_steps": 10}, checkpoint={"every_steps": 40})
+    summary = train(run, tmp_path / "run")
+    assert summary["end_step"] == 40
+    assert summary["last_loss"] < summary["first_loss"] - 1.0  # byte-level: ~5.6 -> < 4.6
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [10, 20, 30, 40]
+    assert {
+        "loss",
+        "nll",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "expert_imbalance",
+        "balance_loss",
+    } <= set(records[0])
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_train_resume_matches_uninterrupted_run(tmp_path):
+    run = tiny_run()
+    train(run, tmp_path / "straight")
+    interrupted = tmp_path / "interrupted"
+    train(run, interrupted)
+    # Simulate a kill right after the step-3 checkpoint: later checkpoints never happened.
+    for step in (6,):
+        import shutil
+
+        shutil.rmtree(interrupted / "checkpoints" / str(step))
+    summary = train(run, interrupted)
+    assert summary["start_step"] == 3 and summary["end_step"] == 6
+    assert tree_equal(restored_params(tmp_path / "straight", 6), restored_params(interrupted, 6))
+    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    resumed = read_metrics(interrupted / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]  # lines past step 3 were rewritten once
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+
+
+def test_train_completed_run_is_not_retrained(tmp_path, capsys):
+    run = tiny_run(train={"steps": 2})
+    train(run, tmp_path / "run")
+    before = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    summary = train(run, tmp_path / "run")
+    assert summary["start_step"] == summary["end_step"] == 2
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == before
+
+
+@pytest.mark.slow
+def test_train_sigterm_saves_checkpoint_then_resumes(tmp_path):
+    run = tiny_run(train={"steps": 400}, checkpoint={"every_steps": 1000})
+    config = write_config(tmp_path, run)
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "pretrain.train",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.time() + 120
+    while not read_metrics(run_dir / "metrics.jsonl") and time.time() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(steps) == 1 and 1 <= steps[0] < 400, output
+    assert f"saved checkpoint at step {steps[0]}" in output
+    resumed = subprocess.run(
+        command + ["train.steps=" + str(steps[0] + 2)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming at step {steps[0]}" in resumed.stdout
+
+
+def test_train_corrupt_checkpoint_stops_without_overwriting(tmp_path, capsys):
+    run = tiny_run(train={"steps": 3})
+    train(run, tmp_path / "run")
+    config = write_config(tmp_path, tiny_run(train={"steps": 6}))
+    state_dir = tmp_path / "run" / "checkpoints" / "3" / "state"
+    victims = sorted(p for p in state_dir.rglob("*") if p.is_file() and p.stat().st_size > 0)
+    for path in victims:
+        path.write_bytes(b"garbage")
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file())
+    ).hexdigest()
+    code = main(["--config", str(config), "--run-dir", str(tmp_path / "run")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert (
+        len(error) == 1 and "cannot restore checkpoint" in error[0] and "checkpoints/3" in error[0]
+    )
+    after = hashlib.sha256(
+        b"".join(p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file())
+    ).hexdigest()
+    assert after == digest
+
+
+@pytest.mark.parametrize(
+    "source, message", [("missing.txt", "missing.txt"), ("empty.txt", "no text found")]
+)
+def test_train_bad_text_source_stops_with_one_line(tmp_path, capsys, source, message):
+    (tmp_path / "empty.txt").write_text("")
+    config = write_config(tmp_path, tiny_run(data={"source": str(tmp_path / source)}))
+    code = main(["--config", str(config), "--run-dir", str(tmp_path / "run")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(error) == 1
+    assert error[0].startswith("m3-train: error: data.source=") and message in error[0]
+
+
+def test_train_refuses_a_run_dir_of_another_model(tmp_path, capsys):
+    train(tiny_run(train={"steps": 1}), tmp_path / "run")
+    config = write_config(tmp_path, tiny_run(model={"hidden_size": 64}))
+    assert main(["--config", str(config), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "holds a run with model.hidden_size=32, not 64" in capsys.readouterr().err

@@ -1,0 +1,40 @@
+"""A tiny run config for training tests: MSA selection active, MoE on, a few ms per step."""
+
+from m3jax.config_loading import from_mapping
+from pretrain.config import RunConfig
+
+TINY = {
+    "model": {
+        "vocab_size": 272,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "rotary_dim": 4,
+        "dense_mlp_dim": 64,
+        "layer_types": ["full_attention", "minimax_m3_sparse"],
+        "mlp_layer_types": ["dense", "sparse"],
+        "msa": {"index_heads": 2, "index_head_dim": 8, "block_size": 4, "topk_blocks": 2},
+        "moe": {
+            "num_experts": 4,
+            "experts_per_token": 2,
+            "expert_dim": 16,
+            "shared_expert_dim": 16,
+            "bias_update_rate": 0.01,
+        },
+    },
+    "data": {"source": "shakespeare", "seq_len": 32, "batch_size": 4},
+    "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+    "train": {"steps": 6},
+    "checkpoint": {"every_steps": 3, "keep": 5, "async_save": False},
+    "logging": {"every_steps": 1, "progress_bar": False, "tensorboard": True},
+}
+
+
+def tiny_run(**sections) -> RunConfig:
+    """TINY with some sections' keys replaced, e.g. tiny_run(train={"steps": 40})."""
+    data = {name: dict(values) for name, values in TINY.items()}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return from_mapping(RunConfig, data, where="tiny")
