@@ -24,9 +24,7 @@ class MSAConfig:
     local_blocks: int = 1  # blocks ending at the query's own block that are always kept
 
     def __post_init__(self):
-        for name in ("index_heads", "index_head_dim", "block_size", "topk_blocks", "local_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"msa.{name}={getattr(self, name)} must be >= 1")
+        _require_positive_ints(self, "msa.")
         if self.local_blocks > self.topk_blocks:
             raise ValueError(
                 f"msa.local_blocks={self.local_blocks} exceeds msa.topk_blocks={self.topk_blocks}"
@@ -47,20 +45,11 @@ class MoEConfig:
     balance_loss_weight: float = 0.0  # optional auxiliary load-balance loss; 0 disables it
 
     def __post_init__(self):
-        if self.num_experts < 1 or self.experts_per_token < 1:
-            raise ValueError(
-                f"moe.num_experts={self.num_experts} and moe.experts_per_token="
-                f"{self.experts_per_token} must both be >= 1"
-            )
+        _require_positive_ints(self, "moe.")
         if self.experts_per_token > self.num_experts:
             raise ValueError(
                 f"moe.experts_per_token={self.experts_per_token} exceeds "
                 f"moe.num_experts={self.num_experts}"
-            )
-        if self.expert_dim < 1 or self.shared_expert_dim < 1:
-            raise ValueError(
-                f"moe.expert_dim={self.expert_dim} and moe.shared_expert_dim="
-                f"{self.shared_expert_dim} must be >= 1"
             )
         if self.bias_update_rate < 0 or self.balance_loss_weight < 0:
             raise ValueError("moe.bias_update_rate and moe.balance_loss_weight must be >= 0")
@@ -82,21 +71,20 @@ class VisionConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self):
+        _require_positive_ints(self, "vision.")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"vision.hidden_size={self.hidden_size} is not a multiple of "
                 f"vision.num_heads={self.num_heads}"
             )
-        for name in (
-            "intermediate_size",
-            "num_layers",
-            "patch_size",
-            "temporal_patch_size",
-            "spatial_merge_size",
-            "projector_hidden_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"vision.{name}={getattr(self, name)} must be >= 1")
+
+
+def _require_positive_ints(config, prefix: str) -> None:
+    """Every int field of these configs counts something: 0 or less is always a mistake."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if type(value) is int and value < 1:
+            raise ValueError(f"{prefix}{field.name}={value} must be >= 1")
 
 
 def expand_layer_pattern(entries: tuple[str, ...], field: str) -> tuple[str, ...]:
@@ -146,17 +134,7 @@ class ModelConfig:
         object.__setattr__(
             self, "mlp_layer_types", expand_layer_pattern(self.mlp_layer_types, "mlp_layer_types")
         )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "dense_mlp_dim",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        _require_positive_ints(self, "")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

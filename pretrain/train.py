@@ -69,6 +69,9 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
         f"device(s), mesh {dict(session.mesh.shape)})",
         flush=True,
     )
+    if start >= run.train.steps:
+        print(f"m3-train: the run is complete ({start} of train.steps={run.train.steps}); "
+              "raise train.steps to continue it")  # fmt: skip
     try:
         with _StopOnSignal() as stop:
             stopped_at = _loop(session, loader, writer, start, stop, run)
@@ -98,7 +101,7 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
                 seconds = time.perf_counter() - window_start
                 bar.write(f"m3-train: first step (incl. compilation) took {seconds:.1f} s")
                 window_start, untimed = time.perf_counter(), 1
-            if step % log_every == 0 or step == total:
+            if step % log_every == 0 or step == total or step == start + 1:
                 logged = _reduce(
                     jax.device_get(pending), untimed, time.perf_counter() - window_start
                 )

@@ -67,6 +67,9 @@ def test_config_wrong_type_is_named(tmp_path):
         ),
         ({"msa": {"index_head_dim": 32}}, "index_head_dim=32 is smaller than rotary_dim=64"),
         ({"dtype": "float16"}, "dtype='float16' is not one of"),
+        ({"num_kv_heads": 0}, "num_kv_heads=0 must be >= 1"),
+        ({"vision": {"num_heads": 0}}, "vision.num_heads=0 must be >= 1"),
+        ({"moe": {"expert_dim": -2}}, "moe.expert_dim=-2 must be >= 1"),
         ({"layer_types": ["full_attention*x"]}, r"bad repeat count in 'full_attention\*x'"),
     ],
 )

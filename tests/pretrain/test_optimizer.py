@@ -1,0 +1,41 @@
+"""The learning-rate schedule and which parameters are decayed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax.model import functional
+from pretrain.config import OptimizerConfig
+from pretrain.optimizer import learning_rate, make_optimizer
+from tiny import tiny_run
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_the_floor():
+    config = OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    schedule = learning_rate(config, total_steps=100)
+    assert schedule(0) == 0
+    np.testing.assert_allclose(schedule(5), 5e-4, rtol=1e-6)
+    np.testing.assert_allclose(schedule(10), 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(schedule(55), 1e-4 + 0.5 * 9e-4, rtol=1e-5)  # cosine midpoint
+    np.testing.assert_allclose(schedule(100), 1e-4, rtol=1e-5)
+    assert all(schedule(s) >= schedule(s + 1) for s in range(10, 100))
+
+
+@pytest.mark.parametrize("total_steps", [1, 3])
+def test_learning_rate_survives_runs_shorter_than_warmup(total_steps):
+    schedule = learning_rate(OptimizerConfig(warmup_steps=10), total_steps)
+    assert all(np.isfinite(schedule(s)) for s in range(total_steps + 1))
+
+
+def test_weight_decay_skips_norm_offsets_only():
+    model = functional(tiny_run().model)
+    params, _ = model.init(0)
+    config = OptimizerConfig(lr=1.0, weight_decay=0.5, clip_norm=1e9, warmup_steps=0)
+    optimizer = make_optimizer(config, total_steps=10, param_axes=model.param_axes)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+    # with zero gradients, AdamW's update is -lr · weight_decay · param where decay applies
+    assert jnp.all(updates["final_norm"]["scale"] == 0)
+    assert jnp.all(updates["stacks"][0]["layers"]["input_norm"]["scale"] == 0)
+    np.testing.assert_allclose(updates["lm_head"], -0.5 * params["lm_head"], rtol=1e-5)

@@ -1,0 +1,81 @@
+"""The train step: router-bias balancing, the indexer's isolation from the LM loss, masking."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.model import functional
+from pretrain.optimizer import learning_rate, make_optimizer
+from pretrain.train_step import init_state, make_train_step
+from tiny import tiny_run
+
+
+def make_batch(seed=0, batch=2, seq=32, vocab=263):
+    tokens = jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, vocab)
+    return {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": jnp.tile(jnp.arange(seq), (batch, 1)),
+        "segment_ids": jnp.ones((batch, seq), jnp.int32),
+        "loss_mask": jnp.ones((batch, seq), jnp.float32),
+    }
+
+
+def setup(**sections):
+    run = tiny_run(**sections)
+    model = functional(run.model)
+    optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)
+    step = jax.jit(make_train_step(model, optimizer, learning_rate(run.optimizer, 10), run))
+    return model, run, step, init_state(model, optimizer, seed=0)
+
+
+def test_train_step_moves_router_bias_against_load():
+    model, run, step, state = setup()
+    _, stats = model.apply(
+        state["params"],
+        state["buffers"],
+        *(make_batch()[k] for k in ("tokens", "positions", "segment_ids")),
+    )
+    load = np.asarray(stats[1]["moe"]["load"])[0]
+    new_state, _ = step(state, make_batch())
+    bias = np.asarray(new_state["buffers"]["stacks"][1]["layers"]["mlp"]["correction_bias"])[0]
+    rate = run.model.moe.bias_update_rate
+    expected = rate * np.sign(load.mean() - load)
+    np.testing.assert_allclose(bias, expected, rtol=1e-6)
+    assert (bias[load > load.mean()] < 0).all() and (bias[load < load.mean()] > 0).all()
+
+
+def test_lm_loss_gives_the_indexer_no_gradient():
+    model, run, _, state = setup()
+    batch = make_batch()
+
+    def loss(params):
+        logits, _ = model.apply(
+            params, state["buffers"], batch["tokens"], batch["positions"], batch["segment_ids"]
+        )
+        return (
+            jax.nn.logsumexp(logits, -1).mean()
+            - jnp.take_along_axis(logits, batch["targets"][..., None], -1).mean()
+        )
+
+    grads = jax.grad(loss)(state["params"])
+    indexer = grads["stacks"][1]["layers"]["attention"]["indexer"]
+    assert all(jnp.all(g == 0) for g in jax.tree.leaves(indexer))
+    others = grads["stacks"][1]["layers"]["attention"]["q_proj"]
+    assert jnp.any(others != 0)
+
+
+def test_padding_changes_neither_loss_nor_router_statistics():
+    model, run, step, state = setup()
+    batch = make_batch(batch=1, seq=32)
+    padded = {k: jnp.concatenate([v, jnp.zeros_like(v[:, :8])], axis=1) for k, v in batch.items()}
+    padded["tokens"] = (
+        padded["tokens"].at[:, 32:].set(7)
+    )  # padding tokens: arbitrary ids, segment 0
+    _, metrics = step(state, batch)
+    _, padded_metrics = step(state, padded)
+    np.testing.assert_allclose(padded_metrics["nll"], metrics["nll"], rtol=1e-5)
+    assert padded_metrics["tokens"] == metrics["tokens"] == 32
+    np.testing.assert_allclose(
+        padded_metrics["expert_imbalance"], metrics["expert_imbalance"], rtol=1e-6
+    )
