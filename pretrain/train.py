@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, RunError) as e:
         print(f"m3-train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("m3-train: aborted without saving", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 128 + summary["stopped_by_signal"] if summary["stopped_by_signal"] else 0
 
 
@@ -88,7 +91,7 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
     """Runs steps start..total; returns the step reached. Checkpoints at intervals and on stop."""
     total, log_every = run.train.steps, run.logging.every_steps
     pending, window_start, untimed = [], time.perf_counter(), 0
-    step = start
+    step = saved = start
     bar = tqdm(total=total, initial=start, desc="train", unit="step", mininterval=1.0,
                disable=not run.logging.progress_bar, dynamic_ncols=True)  # fmt: skip
     with bar:
@@ -110,12 +113,16 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
                 parts = [f"{k} {logged[k]:.4g}" for k in LOG_KEYS if k in logged]
                 bar.write(f"step {step:>6}/{total} | " + " | ".join(parts))
                 pending, window_start, untimed = [], time.perf_counter(), 0
-            if step % run.checkpoint.every_steps == 0 or step == total or stop.signum:
+            if step % run.checkpoint.every_steps == 0 or step == total:
                 session.save(step, loader)
+                saved = step
             bar.update(1)
     if stop.signum:
         name = signal.Signals(stop.signum).name
-        print(f"m3-train: {name}: saved checkpoint at step {step}, stopping", flush=True)
+        if step > start and saved != step:
+            session.save(step, loader)
+        where = f"checkpoint at step {step} saved" if step else "no step done, nothing to save"
+        print(f"m3-train: {name}: {where}, stopping", flush=True)
     return step
 
 

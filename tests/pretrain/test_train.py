@@ -118,7 +118,7 @@ def test_train_sigterm_saves_checkpoint_then_resumes(tmp_path):
     assert process.returncode == 128 + signal.SIGTERM, output
     steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(steps) == 1 and 1 <= steps[0] < 400, output
-    assert f"saved checkpoint at step {steps[0]}" in output
+    assert f"checkpoint at step {steps[0]} saved, stopping" in output
     resumed = subprocess.run(
         command + ["train.steps=" + str(steps[0] + 2)],
         cwd=REPO,
