@@ -4,12 +4,14 @@ spec/m3_architecture.md §3.4-3.5. Order: project -> per-head Gemma norm -> RoPE
 A "minimax_m3_sparse" layer adds the lightning indexer: it reads the same normed hidden state, but
 through stop_gradient (spec/msa.md §2: the LM loss never trains the indexer; its own KL loss does),
 scores key blocks and keeps the top-k per (query, index head); query head h uses the selection of
-index head h // G, the same grouping as GQA.
+index head h // G, the same grouping as GQA. During the MSA warm-up (`ForwardMode.msa_dense`) the
+layer attends densely and the indexer learns from the dense attention distribution.
 
 Shapes: B batch, S sequence, D model width, H query heads, K kv heads (= Hi index heads),
 Dh head dim, Di index head dim, R rotary dims.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -20,8 +22,7 @@ from m3jax import params
 from m3jax.config import ModelConfig
 from m3jax.norms import RMSNorm
 from m3jax.rope import apply_rope
-from pallas_kernels.attention.reference import gqa_attention
-from pallas_kernels.msa import reference as msa_reference
+from m3jax import attention_ops
 
 
 class AttentionInputs(NamedTuple):
@@ -31,7 +32,21 @@ class AttentionInputs(NamedTuple):
     segment_ids: jax.Array  # [B, S] document id; 0 = padding
     rope_cos: jax.Array  # [B, S, R] fp32
     rope_sin: jax.Array  # [B, S, R] fp32
-    dense_mask: jax.Array  # [B, S, S] bool: causal and same document
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardMode:
+    """Static switches of one forward pass; each combination compiles once."""
+
+    msa_dense: bool = False  # MSA warm-up: sparse layers attend densely, the KL teacher is dense
+    indexer_loss: bool = False  # sparse layers report the indexer's KL (the loss the trainer adds)
+    block_recall: bool = False  # sparse layers report how much of the dense top blocks they keep
+
+
+def _mean_over_tokens(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """x: [B, S, Hi] -> its mean over real (non-padding) tokens and heads."""
+    total = jnp.maximum(valid.sum(), 1) * x.shape[-1]
+    return (x * valid[..., None]).sum() / total
 
 
 class Indexer(nnx.Module):
@@ -45,24 +60,15 @@ class Indexer(nnx.Module):
         self.k_proj = params.normal(rngs, (dim, msa.index_head_dim), ("embed", "head_dim"), std)
         self.q_norm = RMSNorm(msa.index_head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(msa.index_head_dim, config.rms_norm_eps)
-        self.msa = msa
 
-    def __call__(self, x: jax.Array, inputs: AttentionInputs) -> jax.Array:
-        """x: [B, S, D] normed hidden state -> selected block ids [B, S, Hi, k] (-1 = none)."""
+    def __call__(self, x: jax.Array, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+        """x: [B, S, D] normed hidden state -> (index_q [B, S, Hi, Di], index_k [B, S, Di])."""
         x = jax.lax.stop_gradient(x)
         index_q = self.q_norm(jnp.einsum("bsd,dhe->bshe", x, self.q_proj[...].astype(x.dtype)))
-        index_k = self.k_norm(x @ self.k_proj[...].astype(x.dtype))  # [B, S, Di]
+        index_k = self.k_norm(x @ self.k_proj[...].astype(x.dtype))
         index_q = apply_rope(index_q, inputs.rope_cos, inputs.rope_sin)
         index_k = apply_rope(index_k[:, :, None], inputs.rope_cos, inputs.rope_sin)[:, :, 0]
-        scores = msa_reference.index_scores(index_q, index_k)
-        return msa_reference.select_blocks(
-            scores,
-            inputs.segment_ids,
-            inputs.positions,
-            block_size=self.msa.block_size,
-            topk_blocks=self.msa.topk_blocks,
-            local_blocks=self.msa.local_blocks,
-        )
+        return index_q, index_k
 
 
 class Attention(nnx.Module):
@@ -89,10 +95,12 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.indexer = Indexer(config, rngs=rngs) if sparse else None
-        self.block_size = config.msa.block_size
+        self.msa, self.impl = config.msa, config.attention_impl
 
-    def __call__(self, x: jax.Array, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array | None]:
-        """x: [B, S, D] normed hidden state -> ([B, S, D], selected blocks [B, S, Hi, k] or None)."""
+    def __call__(
+        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
+    ) -> tuple[jax.Array, dict]:
+        """x: [B, S, D] normed hidden state -> ([B, S, D], MSA stats {kl, recall} as `mode` asks)."""
         dtype = x.dtype
         q = self.q_norm(jnp.einsum("bsd,dhe->bshe", x, self.q_proj[...].astype(dtype)))
         k = self.k_norm(jnp.einsum("bsd,dhe->bshe", x, self.k_proj[...].astype(dtype)))
@@ -100,11 +108,31 @@ class Attention(nnx.Module):
         q = apply_rope(q, inputs.rope_cos, inputs.rope_sin)
         k = apply_rope(k, inputs.rope_cos, inputs.rope_sin)
         if self.indexer is None:
-            blocks = None
-            out = gqa_attention(q, k, v, inputs.dense_mask[:, None, None])
+            out, _ = attention_ops.dense(self.impl, q, k, v, inputs.segment_ids, None)
+            stats = {}
         else:
-            blocks = self.indexer(x, inputs)
-            out = msa_reference.sparse_attention(
-                q, k, v, blocks, inputs.segment_ids, block_size=self.block_size
+            out, stats = self._sparse(x, q, k, v, inputs, mode)
+        return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(dtype)), stats
+
+    def _sparse(self, x, q, k, v, inputs: AttentionInputs, mode: ForwardMode):
+        """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""
+        impl, msa, segment_ids = self.impl, self.msa, inputs.segment_ids
+        index_q, index_k = self.indexer(x, inputs)
+        student = (index_q, index_k) if mode.indexer_loss else None
+        blocks = None
+        if not mode.msa_dense or mode.block_recall:
+            blocks = attention_ops.select(
+                impl, msa, index_q, index_k, segment_ids, inputs.positions
             )
-        return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(dtype)), blocks
+        if mode.msa_dense:
+            out, kl = attention_ops.dense(impl, q, k, v, segment_ids, student)
+        else:
+            out, kl = attention_ops.sparse(impl, msa, q, k, v, blocks, segment_ids, student)
+        valid = segment_ids > 0
+        stats = {}
+        if kl is not None:
+            stats["kl"] = _mean_over_tokens(kl, valid)
+        if mode.block_recall:
+            hits = attention_ops.recall(impl, msa, q, k, blocks, segment_ids)
+            stats["recall"] = _mean_over_tokens(hits, valid)
+        return out, stats

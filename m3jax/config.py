@@ -11,6 +11,7 @@ ATTENTION_TYPES = ("full_attention", "minimax_m3_sparse")
 MLP_TYPES = ("dense", "sparse")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "save_dots")
+ATTENTION_IMPLS = ("reference", "xla")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,9 +23,16 @@ class MSAConfig:
     block_size: int = 128  # keys per block
     topk_blocks: int = 16  # blocks kept per (query, index head), local blocks included
     local_blocks: int = 1  # blocks ending at the query's own block that are always kept
+    # Training (spec/msa.md §2): loss = LM + kl_weight · Σ_sparse layers KL(attention ‖ indexer).
+    kl_weight: float = 1.0
+    # Dense warm-up: for the first warmup_tokens training tokens sparse layers attend densely and
+    # the indexer learns from the dense attention distribution; then selection switches on.
+    warmup_tokens: int = 0
 
     def __post_init__(self):
-        _require_positive_ints(self, "msa.")
+        _require_positive_ints(self, "msa.", may_be_zero=("warmup_tokens",))
+        if self.kl_weight < 0:
+            raise ValueError(f"msa.kl_weight={self.kl_weight} must be >= 0")
         if self.local_blocks > self.topk_blocks:
             raise ValueError(
                 f"msa.local_blocks={self.local_blocks} exceeds msa.topk_blocks={self.topk_blocks}"
@@ -79,12 +87,13 @@ class VisionConfig:
             )
 
 
-def _require_positive_ints(config, prefix: str) -> None:
-    """Every int field of these configs counts something: 0 or less is always a mistake."""
+def _require_positive_ints(config, prefix: str, may_be_zero: tuple[str, ...] = ()) -> None:
+    """The int fields of these configs count things: below 1 (or 0 where allowed) is a mistake."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if type(value) is int and value < 1:
-            raise ValueError(f"{prefix}{field.name}={value} must be >= 1")
+        lowest = 0 if field.name in may_be_zero else 1
+        if type(value) is int and value < lowest:
+            raise ValueError(f"{prefix}{field.name}={value} must be >= {lowest}")
 
 
 def expand_layer_pattern(entries: tuple[str, ...], field: str) -> tuple[str, ...]:
@@ -123,6 +132,8 @@ class ModelConfig:
         "float32"  # activation/matmul dtype; params stay float32, norms/softmax/router fp32
     )
     remat: str = "none"  # what the backward pass recomputes per layer: none | full | save_dots
+    # "xla": query-tiled attention and MSA, memory linear in S; "reference": O(S²) jnp (tests)
+    attention_impl: str = "xla"
     msa: MSAConfig = MSAConfig()
     moe: MoEConfig = MoEConfig()
     vision: VisionConfig | None = None
@@ -167,6 +178,10 @@ class ModelConfig:
                 )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}"
+            )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}")
 

@@ -12,7 +12,7 @@ Shapes: B batch, S sequence, D model width.
 import jax
 from flax import nnx
 
-from m3jax.attention import Attention, AttentionInputs
+from m3jax.attention import Attention, AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.mlp import MLP
 from m3jax.moe import MoE
@@ -42,12 +42,14 @@ class DecoderLayer(nnx.Module):
                 rngs=rngs,
             )
 
-    def __call__(self, x: jax.Array, inputs: AttentionInputs) -> tuple[jax.Array, dict]:
-        """x: [B, S, D] -> ([B, S, D], stats: {"moe": expert statistics} on MoE layers, else {})."""
-        attention_out, _ = self.attention(self.input_norm(x), inputs)
+    def __call__(
+        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
+    ) -> tuple[jax.Array, dict]:
+        """x: [B, S, D] -> ([B, S, D], stats: {"moe": expert stats} and/or {"msa": indexer stats})."""
+        attention_out, msa_stats = self.attention(self.input_norm(x), inputs, mode)
         h = x + attention_out
         normed = self.post_attention_norm(h)
-        stats = {}
+        stats = {"msa": msa_stats} if msa_stats else {}
         if isinstance(self.mlp, MoE):
             mlp_out, stats["moe"] = self.mlp(normed, inputs.segment_ids > 0)
         else:
@@ -80,12 +82,14 @@ class LayerStack(nnx.Module):
         self.remat = config.remat
         self.kind = (attention_type, mlp_type)
 
-    def __call__(self, x: jax.Array, inputs: AttentionInputs) -> tuple[jax.Array, dict]:
+    def __call__(
+        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
+    ) -> tuple[jax.Array, dict]:
         """x: [B, S, D] -> ([B, S, D], stats stacked over layers)."""
         graphdef, state = nnx.split(self.layers)
 
         def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, inputs)
+            return nnx.merge(graphdef, layer_state)(x, inputs, mode)
 
         if self.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)

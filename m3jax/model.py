@@ -17,13 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3jax import params
-from m3jax.attention import AttentionInputs
+from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStack
 from m3jax.moe import balanced_bias
 from m3jax.norms import RMSNorm
 from m3jax.rope import rope_tables
-from pallas_kernels.attention.reference import document_causal_mask
 
 
 def layer_runs(config: ModelConfig) -> list[tuple[str, str, int]]:
@@ -44,21 +43,24 @@ class M3TextModel(nnx.Module):
         self.config = config
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        mode: ForwardMode = ForwardMode(),
     ) -> tuple[jax.Array, list[dict]]:
-        """tokens, positions, segment_ids: [B, S] int32 (segment 0 = padding).
+        """tokens, positions, segment_ids: [B, S] int32 (segment 0 = padding); mode: static switches.
 
-        Returns logits [B, S, V] fp32 and, per layer stack, stats stacked over its layers.
+        Returns logits [B, S, V] fp32 and, per layer stack, stats stacked over its layers:
+        "moe" {load, score_share} [L, E] and, as `mode` asks, "msa" {kl, recall} [L].
         """
         config = self.config
         x = self.embed[...][tokens].astype(config.dtype)
         cos, sin = rope_tables(positions, config.rotary_dim, config.rope_theta)
-        inputs = AttentionInputs(
-            positions, segment_ids, cos, sin, document_causal_mask(segment_ids)
-        )
+        inputs = AttentionInputs(positions, segment_ids, cos, sin)
         stats = []
         for stack in self.stacks:
-            x, stack_stats = stack(x, inputs)
+            x, stack_stats = stack(x, inputs, mode)
             stats.append(stack_stats)
         x = self.final_norm(x)
         logits = jnp.einsum(
@@ -93,10 +95,11 @@ class Functional:
         tokens: jax.Array,
         positions: jax.Array,
         segment_ids: jax.Array,
+        mode: ForwardMode = ForwardMode(),
     ) -> tuple[jax.Array, list[dict]]:
         """Forward pass: see M3TextModel.__call__."""
         model = nnx.merge(self.graphdef, params, buffers)
-        return model(tokens, positions, segment_ids)
+        return model(tokens, positions, segment_ids, mode)
 
     def rebalanced(self, buffers: dict, stats: list[dict], rate: float) -> dict:
         """Buffers after one aux-loss-free step of every router bias, from `apply`'s expert loads."""

@@ -1,6 +1,7 @@
 """Orbax checkpoints of a run: train state + data iterator state, one step per directory.
 
-Layout: RUN_DIR/checkpoints/<step>/{state, data}. Orbax writes each step to a temporary directory
+Layout: RUN_DIR/checkpoints/<step>/{state, data, progress}: the train state (arrays), the data
+iterator's position and the run's progress (tokens seen, MSA phase), the last two as JSON. Orbax writes each step to a temporary directory
 and renames it when complete, so an interrupted save never looks like a checkpoint. Restores go
 onto the current mesh: the abstract target carries the shardings.
 """
@@ -33,17 +34,21 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: dict, data_state: dict) -> None:
+    def save(self, step: int, state: dict, data_state: dict, progress: dict) -> None:
         """Starts saving (in the background when async); a later save or `wait` completes it."""
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state),
+            progress=ocp.args.JsonSave(progress),
         )
         self._manager.save(step, args=args, force=True)
 
-    def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
-        """abstract_state: ShapeDtypeStructs with shardings. Returns (state, data_state)."""
+    def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict, dict]:
+        """abstract_state: ShapeDtypeStructs with shardings. Returns (state, data_state, progress)."""
         args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+            state=ocp.args.StandardRestore(abstract_state),
+            data=ocp.args.JsonRestore(),
+            progress=ocp.args.JsonRestore(),
         )
         try:
             restored = self._manager.restore(step, args=args)
@@ -52,7 +57,7 @@ class Checkpoints:
             raise CheckpointError(
                 f"{self.directory / str(step)}: cannot restore checkpoint ({message})"
             ) from None
-        return restored.state, restored.data
+        return restored.state, restored.data, restored.progress
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

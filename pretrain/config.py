@@ -96,10 +96,16 @@ class LoggingConfig:
     every_steps: int = 10  # metrics to the console, metrics.jsonl and TensorBoard
     progress_bar: bool = True
     tensorboard: bool = True
+    # Every N steps, measure how many of the dense attention's top blocks each MSA selection keeps
+    # (costs a dense attention pass per sparse layer); 0 disables.
+    msa_recall_every: int = 50
 
     def __post_init__(self):
-        if self.every_steps < 1:
-            raise ValueError(f"every_steps={self.every_steps} must be >= 1")
+        if self.every_steps < 1 or self.msa_recall_every < 0:
+            raise ValueError(
+                f"every_steps={self.every_steps} must be >= 1 and "
+                f"msa_recall_every={self.msa_recall_every} >= 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

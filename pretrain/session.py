@@ -14,6 +14,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from m3jax import sharding
+from m3jax.attention import ForwardMode
 from m3jax.config_loading import ConfigError
 from m3jax.model import Functional
 from pretrain.checkpointing import Checkpoints, abstract_with_shardings
@@ -44,9 +45,11 @@ class TrainingSession:
             make_train_step(model, self.optimizer, schedule, run),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated),
+            static_argnums=2,
             donate_argnums=0,
         )
         self.state = None
+        self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
 
     @property
     def num_params(self) -> int:
@@ -67,21 +70,43 @@ class TrainingSession:
             self.initialize()
             return 0
         target = abstract_with_shardings(self.abstract_state, self.state_shardings)
-        self.state, data_state = self.checkpoints.restore(step, target)
+        self.state, data_state, progress = self.checkpoints.restore(step, target)
         loader.restore(data_state)
+        self.tokens_seen = progress["tokens_seen"]
         return step
 
-    def step(self, batch: dict[str, np.ndarray]) -> dict:
+    def forward_mode(self, step: int) -> ForwardMode:
+        """What the forward pass of optimizer step `step` (1-based) computes besides the LM loss."""
+        phase, every = self.msa_phase, self.run.logging.msa_recall_every
+        return ForwardMode(
+            msa_dense=phase == "dense_warmup",
+            indexer_loss=phase is not None,
+            block_recall=phase is not None and every > 0 and step % every == 0,
+        )
+
+    @property
+    def msa_phase(self) -> str | None:
+        """ "dense_warmup" until msa.warmup_tokens, then "sparse"; None for models without MSA."""
+        if "minimax_m3_sparse" not in self.run.model.layer_types:
+            return None
+        return "dense_warmup" if self.tokens_seen < self.run.model.msa.warmup_tokens else "sparse"
+
+    def step(self, batch: dict[str, np.ndarray], mode: ForwardMode) -> dict:
         """One optimizer step; returns its metrics as (unfetched) device arrays."""
+        positions = batch["tokens"].size * jax.process_count()
         batch = {
             k: jax.make_array_from_process_local_data(self.batch_sharding, v)
             for k, v in batch.items()
         }
-        self.state, metrics = self._step(self.state, batch)
+        self.state, metrics = self._step(self.state, batch, mode)
+        self.tokens_seen += positions
+        if mode.indexer_loss:
+            metrics["msa_warmup"] = float(mode.msa_dense)  # 1 while sparse layers attend densely
         return metrics
 
     def save(self, step: int, loader) -> None:
-        self.checkpoints.save(step, self.state, loader.state())
+        progress = {"tokens_seen": self.tokens_seen, "msa_phase": self.msa_phase}
+        self.checkpoints.save(step, self.state, loader.state(), progress)
 
     def _state_shardings(self) -> dict:
         mesh, model, abstract = self.mesh, self.model, self.abstract_state

@@ -30,7 +30,9 @@ from pretrain.config import RunConfig, load_run_config
 from pretrain.metrics import MetricsWriter, read_metrics
 from pretrain.session import TrainingSession
 
-LOG_KEYS = ("loss", "nll", "grad_norm", "lr", "expert_imbalance", "tokens_per_s")
+LOG_KEYS = (
+    "loss", "nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance", "tokens_per_s"
+)  # fmt: skip
 
 
 class RunError(RuntimeError):
@@ -95,8 +97,13 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
     bar = tqdm(total=total, initial=start, desc="train", unit="step", mininterval=1.0,
                disable=not run.logging.progress_bar, dynamic_ncols=True)  # fmt: skip
     with bar:
+        phase = None
         while step < total and not stop.signum:
-            metrics = session.step(next(loader))
+            if session.msa_phase != phase:
+                phase = session.msa_phase
+                seen = f"{session.tokens_seen:,} tokens seen"
+                bar.write(f"m3-train: step {step}: MSA phase {phase} ({seen})")
+            metrics = session.step(next(loader), session.forward_mode(step + 1))
             step += 1
             pending.append(metrics)
             if step == start + 1:  # compilation: keep its metrics, leave it out of throughput
@@ -128,7 +135,8 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
 
 def _reduce(window: list[dict], untimed: int, seconds: float) -> dict:
     """Means of a logging window's per-step metrics; throughput over its steps after `untimed`."""
-    logged = {k: float(np.mean([m[k] for m in window])) for k in window[0] if k != "tokens"}
+    keys = dict.fromkeys(k for m in window for k in m if k != "tokens")  # recall: some steps only
+    logged = {k: float(np.mean([m[k] for m in window if k in m])) for k in keys}
     if len(window) > untimed:
         tokens = sum(int(m["tokens"]) for m in window[untimed:])
         logged["tokens_per_s"] = tokens / max(seconds, 1e-9)
@@ -177,8 +185,8 @@ def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
         "run_dir": str(run_dir),
         "start_step": start,
         "end_step": end,
-        "first_loss": history[0]["loss"] if history else None,
-        "last_loss": history[-1]["loss"] if history else None,
+        "first_nll": history[0]["nll"] if history else None,  # the LM loss, without KL/aux terms
+        "last_nll": history[-1]["nll"] if history else None,
         "tokens_per_s": _mean([r["tokens_per_s"] for r in session_history if "tokens_per_s" in r]),
         "stopped_by_signal": signum,
     }
@@ -191,10 +199,9 @@ def _mean(values: list[float]) -> float | None:
 def _print_summary(summary: dict) -> None:
     print("m3-train: summary")
     print(f"  steps        {summary['start_step']} -> {summary['end_step']}")
-    if summary["first_loss"] is not None:
-        print(
-            f"  loss         {summary['first_loss']:.4f} (first logged) -> {summary['last_loss']:.4f} (last)"
-        )
+    if summary["first_nll"] is not None:
+        first, last = summary["first_nll"], summary["last_nll"]
+        print(f"  LM loss      {first:.4f} (first logged step) -> {last:.4f} (last)")
     if summary["tokens_per_s"] is not None:
         print(
             f"  throughput   {summary['tokens_per_s']:,.0f} tokens/s (this session, after compilation)"

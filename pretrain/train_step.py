@@ -1,8 +1,9 @@
 """One optimizer step as a pure function of (state, batch), for `jax.jit`.
 
 state = {"step", "params", "buffers", "opt_state"}: nested dicts of arrays, what Orbax saves.
-loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE balance loss. After
-the update, each router's correction bias moves toward balanced load (outside the optimizer).
+loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE balance loss
+       + msa.kl_weight · Σ_sparse layers indexer KL (whose gradient reaches only the indexers).
+After the update, each router's correction bias moves toward balanced load (outside the optimizer).
 """
 
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from m3jax.attention import ForwardMode
 from m3jax.model import Functional
 from pretrain.config import RunConfig
 from pretrain.loss import load_balance_loss, next_token_loss
@@ -33,36 +35,46 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     run: RunConfig,
-) -> Callable[[dict, Batch], tuple[dict, dict]]:
-    moe = run.model.moe
-    z_loss_weight = run.optimizer.z_loss_weight
+) -> Callable[[dict, Batch, ForwardMode], tuple[dict, dict]]:
+    """The step function; its ForwardMode argument is static (jit with static_argnums=2)."""
+    config = run.model
+    sparse_layers = [i for i, kind in enumerate(config.layer_types) if kind == "minimax_m3_sparse"]
 
-    def loss_fn(params, buffers, batch):
+    def loss_fn(params, buffers, batch, mode):
         logits, stats = model.apply(
-            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"]
+            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], mode
         )
         nll, z_loss = next_token_loss(logits, batch["targets"], batch["loss_mask"])
         metrics = {"nll": nll, "z_loss": z_loss}
-        loss = nll + z_loss_weight * z_loss
+        loss = nll + run.optimizer.z_loss_weight * z_loss
         moe_stats = [s["moe"] for s in stats if "moe" in s]
         if moe_stats:
             load = jnp.concatenate([s["load"] for s in moe_stats])  # [MoE layers, E]
             share = jnp.concatenate([s["score_share"] for s in moe_stats])
-            balance = load_balance_loss(load, share, moe.experts_per_token)
-            loss += moe.balance_loss_weight * balance
+            balance = load_balance_loss(load, share, config.moe.experts_per_token)
+            loss += config.moe.balance_loss_weight * balance
             metrics["balance_loss"] = balance
             # max/mean tokens per expert, averaged over MoE layers: 1.0 = perfectly balanced
             metrics["expert_imbalance"] = (load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).mean()
+        for name in ("kl", "recall"):
+            per_layer = [s["msa"][name] for s in stats if name in s.get("msa", {})]
+            if not per_layer:
+                continue
+            per_layer = jnp.concatenate(per_layer)  # [sparse layers], in layer order
+            if name == "kl":
+                loss += config.msa.kl_weight * per_layer.sum()
+            metrics[f"msa_{name}"] = per_layer.mean()
+            metrics.update({f"msa_{name}_layer{i}": x for i, x in zip(sparse_layers, per_layer)})
         return loss, (metrics, stats)
 
-    def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
+    def train_step(state: dict, batch: Batch, mode: ForwardMode) -> tuple[dict, dict]:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (metrics, stats)), grads = grad_fn(state["params"], state["buffers"], batch)
+        (loss, (metrics, stats)), grads = grad_fn(state["params"], state["buffers"], batch, mode)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         new_state = {
             "step": state["step"] + 1,
             "params": optax.apply_updates(state["params"], updates),
-            "buffers": model.rebalanced(state["buffers"], stats, moe.bias_update_rate),
+            "buffers": model.rebalanced(state["buffers"], stats, config.moe.bias_update_rate),
             "opt_state": opt_state,
         }
         metrics.update(

@@ -33,8 +33,13 @@ TINY = {
 
 
 def tiny_run(**sections) -> RunConfig:
-    """TINY with some sections' keys replaced, e.g. tiny_run(train={"steps": 40})."""
-    data = {name: dict(values) for name, values in TINY.items()}
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return from_mapping(RunConfig, data, where="tiny")
+    """TINY with keys replaced, nested dicts merged: tiny_run(model={"msa": {"topk_blocks": 3}})."""
+    return from_mapping(RunConfig, _merged(TINY, sections), where="tiny")
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        is_section = isinstance(value, dict) and isinstance(base.get(key), dict)
+        out[key] = _merged(base[key], value) if is_section else value
+    return out

@@ -91,3 +91,88 @@ def sparse_attention(
     visible = document_causal_mask(segment_ids)[:, None]  # [B, 1, S, T]
     mask = (chosen & visible)[:, :, None]  # [B, K, 1, S, T]: shared by the G heads of a group
     return gqa_attention(q, k, v, mask)
+
+
+def top_blocks(
+    index_q: jax.Array,
+    index_k: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    *,
+    block_size: int,
+    topk_blocks: int,
+    local_blocks: int,
+) -> jax.Array:
+    """Selected blocks [B, S, Hi, k] straight from the index projections (see `select_blocks`)."""
+    scores = index_scores(index_q, index_k)
+    return select_blocks(
+        scores,
+        segment_ids,
+        positions,
+        block_size=block_size,
+        topk_blocks=topk_blocks,
+        local_blocks=local_blocks,
+    )
+
+
+def indexer_kl(
+    q: jax.Array,
+    k: jax.Array,
+    index_q: jax.Array,
+    index_k: jax.Array,
+    block_indices: jax.Array | None,
+    segment_ids: jax.Array,
+    *,
+    block_size: int,
+) -> jax.Array:
+    """The indexer's training objective per (query, index head), spec/msa.md §2: [B, S, Hi] fp32.
+
+    KL(teacher ‖ student) over the keys the query attends to — its selected blocks, or every causal
+    key of its document when `block_indices` is None (the dense warm-up). Teacher: the main
+    branch's attention probabilities averaged over the G query heads of index head h's group,
+    treated as a constant. Student: softmax of index_q · index_k · Di^-½ over the same keys.
+    """
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    visible = document_causal_mask(segment_ids)[:, None]  # [B, 1, S, T]
+    if block_indices is not None:
+        visible = visible & selection_mask(block_indices, seq, block_size=block_size)
+    grouped = q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32)
+    lowest = jnp.finfo(jnp.float32).min
+    logits = jnp.where(visible[:, :, None], logits * head_dim**-0.5, lowest)
+    teacher = jax.lax.stop_gradient(jax.nn.softmax(logits, axis=-1).mean(axis=2))  # [B, K, S, T]
+    student = index_scores(index_q, index_k) * index_q.shape[-1] ** -0.5
+    log_student = jax.nn.log_softmax(jnp.where(visible, student, lowest), axis=-1)
+    terms = jax.scipy.special.xlogy(teacher, teacher) - teacher * log_student
+    terms = jnp.where(visible, terms, 0.0)
+    return terms.sum(-1).transpose(0, 2, 1)
+
+
+def block_recall(
+    q: jax.Array,
+    k: jax.Array,
+    block_indices: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    block_size: int,
+) -> jax.Array:
+    """Share of the dense teacher's top-k blocks (by attention mass) that were selected: [B, S, K]."""
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    num_blocks = -(-seq // block_size)
+    visible = document_causal_mask(segment_ids)  # [B, S, T]
+    grouped = q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(visible[:, None, None], logits * head_dim**-0.5, -jnp.inf)
+    mass = jax.nn.softmax(logits, axis=-1).mean(axis=2)  # [B, K, S, T]
+    key_block = jnp.arange(seq) // block_size
+    one_hot = key_block[:, None] == jnp.arange(num_blocks)  # [T, nb]
+    block_mass = jnp.einsum("bkst,tn->bksn", mass, one_hot.astype(mass.dtype))
+    seen = jnp.einsum("bst,tn->bsn", visible.astype(jnp.float32), one_hot.astype(jnp.float32)) > 0
+    block_mass = jnp.where(seen[:, None], block_mass, -1.0)
+    values, teacher_top = jax.lax.top_k(block_mass, block_indices.shape[-1])  # [B, K, S, k]
+    selected = block_indices.transpose(0, 2, 1, 3)  # [B, K, S, k]
+    wanted = values >= 0
+    hit = (teacher_top[..., :, None] == selected[..., None, :]).any(-1) & wanted
+    return (hit.sum(-1) / jnp.maximum(wanted.sum(-1), 1)).transpose(0, 2, 1)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.train_step import init_state, make_train_step
@@ -25,7 +26,13 @@ def setup(**sections):
     run = tiny_run(**sections)
     model = functional(run.model)
     optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)
-    step = jax.jit(make_train_step(model, optimizer, learning_rate(run.optimizer, 10), run))
+    jitted = jax.jit(
+        make_train_step(model, optimizer, learning_rate(run.optimizer, 10), run), static_argnums=2
+    )
+
+    def step(state, batch):
+        return jitted(state, batch, ForwardMode(indexer_loss=True))
+
     return model, run, step, init_state(model, optimizer, seed=0)
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks run on the GPU machine; results go to benchmarks/RESULTS.md."""

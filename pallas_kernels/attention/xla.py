@@ -1,0 +1,100 @@
+"""Dense causal GQA attention over packed documents in plain XLA, with memory linear in S.
+
+Queries are processed in tiles of `query_tile` under `lax.map`; each tile sees all keys, so a tile
+holds [Tq, H, T] logits and never the [S, T] matrix. The tile body is rematerialised in the backward
+pass (`jax.checkpoint`), so nothing tile-sized is stored across tiles. Optionally the same tiles
+compute a distillation KL from the attention distribution (averaged over each GQA group) to a
+student's softmax — the MSA indexer's dense warm-up objective (spec/msa.md §2).
+
+Equivalent to `reference.gqa_attention(q, k, v, document_causal_mask(segment_ids))`.
+Shapes: B batch, S queries, T keys (= S), H query heads, K kv heads, G = H // K, Dh head dim,
+Hi student heads (= K), Di student dim, Tq query tile.
+"""
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = jnp.finfo(jnp.float32).min
+
+
+def dense_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    student: tuple[jax.Array, jax.Array] | None = None,
+    query_tile: int = 64,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Causal attention within documents; optionally the KL to a student over the same keys.
+
+    Args:
+      q: [B, S, H, Dh]; k, v: [B, S, K, Dh]; segment_ids: [B, S] (queries and keys share the row).
+      student: (index_q [B, S, Hi, Di], index_k [B, S, Di]) with Hi = K, or None. The student's
+        distribution for query i, head h is softmax_j(index_q[i, h] · index_k[j] · Di^-½) over the
+        keys query i sees; the teacher is the attention distribution averaged over group h's heads
+        (stop_gradient). Gradients of the KL reach only the student's inputs.
+      query_tile: queries per tile; S is padded up to a multiple of it.
+    Returns:
+      out [B, S, H, Dh] and KL(teacher ‖ student) [B, S, Hi] fp32 (None without a student).
+    """
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    tile = min(query_tile, seq)
+    num_tiles = -(-seq // tile)
+    q_tiles = _tiles(q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim), tile)
+    segment_tiles = _tiles(segment_ids, tile, fill=-1)  # padded queries match no key
+    student_tiles = None if student is None else _tiles(student[0], tile)
+
+    def attend_tile(args):
+        index, q_tile, segment_tile, student_q = args
+        slots = index * tile + jnp.arange(tile)
+        visible = (jnp.arange(seq)[None, None, :] <= slots[None, :, None]) & (
+            segment_ids[:, None, :] == segment_tile[:, :, None]
+        )  # [B, Tq, T]
+        logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
+        logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
+        probs = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("bqkgt,btkd->bqkgd", probs.astype(v.dtype), v)
+        if student is None:
+            return out, None
+        student_logits = (
+            jnp.einsum("bqhd,btd->bqht", student_q, student[1], preferred_element_type=jnp.float32)
+            * student_q.shape[-1] ** -0.5
+        )
+        return out, distillation_kl(probs.mean(axis=3), student_logits, visible[:, :, None])
+
+    tile_ids = jnp.arange(num_tiles)
+    out, kl = jax.lax.map(
+        jax.checkpoint(attend_tile, prevent_cse=False),
+        (tile_ids, q_tiles, segment_tiles, student_tiles),
+    )
+    out = _untile(out, seq).reshape(batch, seq, num_heads, head_dim)
+    return out, None if kl is None else _untile(kl, seq)
+
+
+def distillation_kl(teacher: jax.Array, student_logits: jax.Array, visible: jax.Array) -> jax.Array:
+    """KL(teacher ‖ softmax(student_logits)) over the last axis, restricted to visible entries.
+
+    teacher: [..., N] probabilities, treated as a constant (stop_gradient); student_logits:
+    [..., N], already scaled; visible: bool, broadcastable. A row with nothing visible gives 0.
+    """
+    teacher = jax.lax.stop_gradient(teacher)
+    log_student = jax.nn.log_softmax(jnp.where(visible, student_logits, NEG_INF), axis=-1)
+    terms = jax.scipy.special.xlogy(teacher, teacher) - teacher * log_student
+    return jnp.where(visible, terms, 0.0).sum(axis=-1)
+
+
+def _tiles(x: jax.Array, tile: int, fill=0) -> jax.Array:
+    """[B, S, ...] -> [num_tiles, B, tile, ...], padding S with `fill`."""
+    seq = x.shape[1]
+    pad = -seq % tile
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    x = x.reshape(x.shape[0], -1, tile, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _untile(x: jax.Array, seq: int) -> jax.Array:
+    """[num_tiles, B, tile, ...] -> [B, S, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :seq]
