@@ -72,7 +72,7 @@ def losses_on_mesh(mesh: dict, steps: int = 3) -> list[float]:
     session.initialize()
     documents = load_documents("shakespeare")[:20]
     loader = PackedTextLoader(documents, ByteTokenizer(), seq_len=32, batch_size=4, seed=0)
-    return [float(session.step(next(loader))["loss"]) for _ in range(steps)]
+    return [float(session.step(next(loader), session.forward_mode(i + 1))["loss"]) for i in range(steps)]
 
 
 @pytest.mark.slow
