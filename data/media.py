@@ -62,6 +62,8 @@ def open_image(data: bytes) -> PIL.Image.Image:
             warnings.simplefilter("error", PIL.Image.DecompressionBombWarning)
             image = PIL.Image.open(io.BytesIO(data))
             image.load()
+    except PIL.UnidentifiedImageError:
+        raise MediaError("undecodable image (not a format Pillow recognises)") from None
     except Exception as e:  # Pillow raises many types for broken files
         raise MediaError(f"undecodable image ({type(e).__name__}: {e})") from None
     if image.width < 1 or image.height < 1:

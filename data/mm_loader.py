@@ -163,7 +163,7 @@ class MultimodalLoader:
             "fingerprint": self._fingerprint,
             "batches": self.batches,
             "skipped_documents": self.skipped_documents,
-            "grain": _jsonable(self._iterator.get_state()),
+            "grain": _to_json(self._iterator.get_state()),
         }
 
     def restore(self, state: dict) -> None:
@@ -176,7 +176,7 @@ class MultimodalLoader:
                 f"counts, seq_len, batch_size, seed, workers, ...): {state.get('fingerprint')} "
                 f"!= {self._fingerprint}"
             )
-        self._iterator.set_state(state["grain"])
+        self._iterator.set_state(_from_json(state["grain"]))
         self.batches = int(state["batches"])
         self.skipped_documents = int(state["skipped_documents"])
 
@@ -228,10 +228,30 @@ def _fingerprint(sources, shard_sets, *settings) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def _jsonable(value):
-    """Grain states are dicts/lists of ints and strings; bytes (if any) become latin-1 text."""
-    state = json.loads(json.dumps(value, default=lambda x: x.decode("latin-1")))
-    return state
+def _to_json(value):
+    """Grain's state as JSON values. Dicts with non-string keys (Grain's interleave keys some by
+    int) become {"__items__": [[key, value], ...]} so that `_from_json` restores them exactly."""
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _to_json(v) for k, v in value.items()}
+        return {"__items__": [[_to_json(k), _to_json(v)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    raise TypeError(f"Grain iterator state holds a {type(value).__name__}, not JSON-serialisable")
+
+
+def _from_json(value):
+    if isinstance(value, dict):
+        if set(value) == {"__items__"}:
+            return {_from_json(k): _from_json(v) for k, v in value["__items__"]}
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
 
 
 def _check_ints(**named) -> None:

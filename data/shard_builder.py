@@ -135,7 +135,7 @@ def _entry_document(entry, where, base, source, license) -> InputDocument:
     return InputDocument(
         where,
         str(entry.get("id", where)),
-        str(entry.get("source", source or "")),
+        str(entry.get("source", source or where.split(":")[0])),
         str(entry.get("license", license or UNSPECIFIED_LICENSE)),
         meta,
         tuple(segments),
