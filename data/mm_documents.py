@@ -6,9 +6,9 @@ an optional timestamp text then `START + VIDEO × (h·w/4) + END`. A *vision uni
 attends over as one: an image, or one chunk of ≤ 4 temporal patches of a video (with the
 timestamps inside it). Units are never split across training rows.
 
-Pieces: a document of L tokens gives L - 1 (input, target) pairs. `cut_pieces` splits the pairs
-greedily into pieces of at most `seq_len` pairs and `patch_budget` patches, cutting only between
-units. A unit that alone exceeds either budget makes the document unusable (DocumentError).
+Pieces: a document of L tokens gives L - 1 (input, target) pairs; the packer cuts them into
+pieces with `next_cut`, only between units (text can be cut anywhere). A unit that alone exceeds
+`seq_len` tokens or `patch_budget` patches makes the document unusable (DocumentError).
 """
 
 import dataclasses
@@ -52,7 +52,8 @@ class Document:
     tokens, modality [L]; unit_spans [U, 2] first and last token of each unit; unit_patches
     [U + 1] patch offsets of the units; patches [N, D] float32; patch_positions [N, 3] (t, h, w)
     per unit; feature_of_token [L]: for placeholder tokens the document-wide merged feature row
-    (patches 4k..4k+3 form row k), else -1; pieces [K, 2] pair ranges [start, stop).
+    (patches 4k..4k+3 form row k), else -1; cuts: sorted pair positions where a piece may end
+    or start; patches_before [L]: patches of the units that start before each pair position.
     """
 
     where: str
@@ -64,7 +65,12 @@ class Document:
     patches: np.ndarray
     patch_positions: np.ndarray
     feature_of_token: np.ndarray
-    pieces: np.ndarray
+    cuts: np.ndarray
+    patches_before: np.ndarray
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.tokens) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +161,9 @@ class DocumentProcessor:
         placeholder = (tokens == tok.image_id) | (tokens == tok.video_id)
         feature = np.where(placeholder, np.cumsum(placeholder) - 1, -1)
         loss_target = (modality == TEXT).astype(np.float32)
-        pieces = cut_pieces(len(tokens), spans, np.asarray(counts), self.seq_len, self.patch_budget)
+        cuts, patches_before = cut_points(
+            len(tokens), spans, np.asarray(counts), self.seq_len, self.patch_budget
+        )
         return Document(
             where,
             tokens,
@@ -166,38 +174,40 @@ class DocumentProcessor:
             patches,
             positions,
             feature.astype(np.int64),
-            pieces,
+            cuts,
+            patches_before,
         )
 
 
-def cut_pieces(
+def cut_points(
     num_tokens: int, unit_spans: np.ndarray, unit_counts: np.ndarray, seq_len: int, budget: int
-) -> np.ndarray:
-    """[K, 2] greedy pair ranges [start, stop) covering pairs 0..num_tokens-2.
+) -> tuple[np.ndarray, np.ndarray]:
+    """(allowed cut positions, patches before each pair position) of a document.
 
-    A cut at b (a piece ending before input b) is allowed unless a unit [s, e] has s < b <= e.
-    Each piece is as long as possible within seq_len pairs and `budget` patches.
+    A cut at b (one piece ends before input b, the next starts there) is allowed unless a unit
+    [s, e] has s < b <= e. Raises DocumentError if a unit alone exceeds seq_len or budget.
     """
     num_pairs = num_tokens - 1
     allowed = np.ones(num_pairs + 1, bool)
-    patches_before = np.zeros(num_pairs + 2, np.int64)  # patches of units starting before b
+    starting = np.zeros(num_pairs + 1, np.int64)  # patches of units starting at each position
     for (start, end), count in zip(unit_spans, unit_counts):
-        allowed[start + 1 : end + 1] = False
         if end - start + 1 > seq_len or count > budget:
             raise DocumentError(
                 f"a vision unit of {end - start + 1} tokens and {count} patches does not fit "
                 f"one row (seq_len={seq_len}, patch_budget={budget})"
             )
-        patches_before[start + 1] += count
-    patches_before = np.cumsum(patches_before)[: num_pairs + 1]
-    cuts = np.flatnonzero(allowed)
-    pieces, start = [], 0
-    while start < num_pairs:
-        limit = min(start + seq_len, num_pairs)
-        by_patches = np.searchsorted(patches_before, patches_before[start] + budget, "right") - 1
-        stop = cuts[np.searchsorted(cuts, min(limit, by_patches), "right") - 1]
-        if stop <= start:  # cannot happen after the per-unit check above; kept as a guard
-            raise DocumentError(f"no valid cut after pair {start}")
-        pieces.append((start, stop))
-        start = int(stop)
-    return np.asarray(pieces, np.int64).reshape(-1, 2)
+        allowed[start + 1 : end + 1] = False
+        starting[start] += count
+    patches_before = np.concatenate([[0], np.cumsum(starting)])[: num_pairs + 1]
+    return np.flatnonzero(allowed), patches_before
+
+
+def next_cut(document: Document, start: int, max_tokens: int, max_patches: int) -> int:
+    """The furthest allowed cut b > start with b - start <= max_tokens and at most max_patches
+    patches in [start, b); returns `start` when not even one unit or token fits."""
+    before = document.patches_before
+    limit = min(start + max_tokens, document.num_pairs)
+    by_patches = int(np.searchsorted(before, before[start] + max_patches, "right")) - 1
+    cuts = document.cuts
+    stop = int(cuts[np.searchsorted(cuts, min(limit, by_patches), "right") - 1])
+    return max(stop, start)

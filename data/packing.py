@@ -1,13 +1,16 @@
 """Pack document pieces into rows of `seq_len` tokens and `patch_budget` patches (Grain stage).
 
-Packing works in windows, as Grain's own packers do: pieces go into up to `num_bins` open rows
-(first-fit: the first row with room for both the tokens and the patches; best-fit: the row left
-with the fewest free tokens); when a piece fits no row and all bins are open, the window is
-complete, its rows are emitted in bin order and the piece opens the next window. Because a
-window starts at a known (document, piece), the iterator state is small and JSON-serialisable:
-the parent iterator's state before that document, the piece number, and how many rows of the
-window were already emitted. Restoring re-reads and re-packs that window (deterministic) and
-drops the rows already emitted.
+Packing works in windows, as Grain's own packers do. A document is offered as its longest
+piece that fits an empty row; the piece goes into one of up to `num_bins` open rows (first-fit:
+the first row with room for its tokens and patches; best-fit: the row left with the fewest free
+tokens). When it fits no open row and all bins are open, the piece is cut (between vision units,
+text anywhere) to fill the open rows in order; what is left over opens the next window and the
+window's rows are emitted in bin order. Text-only data thus fills every row completely.
+
+A window starts at a known (document, pair offset), so the iterator state is small and plain
+JSON: the parent iterator's state before that document, the offset, and how many rows of the
+window were already emitted. Restoring re-reads and re-packs that window (deterministically)
+and drops the rows already emitted.
 
 Row arrays (S = seq_len, P = patch_budget, D = patch features):
   tokens, targets, segment_ids, positions, feature_index [S] int32; loss_mask [S] float32;
@@ -22,7 +25,7 @@ import logging
 import grain
 import numpy as np
 
-from data.mm_documents import Document, Skipped
+from data.mm_documents import Document, Skipped, next_cut
 
 LOG = logging.getLogger("m3jax.data")
 STRATEGIES = ("first_fit", "best_fit")
@@ -53,10 +56,10 @@ class _PackIterator(grain.DatasetIterator):
     def __init__(self, parent, spec: PackIterDataset):
         super().__init__(parent)
         self._spec = spec
-        self._anchor = (parent.get_state(), 0)  # window start: (parent state, piece number)
-        self._emitted = 0  # rows of the current window already returned
+        self._anchor = (copy.deepcopy(parent.get_state()), 0)  # (parent state, pair offset)
+        self._emitted = 0  # rows of the anchor's window already returned
         self._ready: list[dict] = []
-        self._carry = None  # (parent state before it, Document, first piece) opening next window
+        self._carry = None  # (parent state before it, Document, offset) opening the next window
         self._exhausted = False
         self._skipped_total = 0
 
@@ -69,31 +72,31 @@ class _PackIterator(grain.DatasetIterator):
         return self._ready.pop(0)
 
     def get_state(self) -> dict:
-        state, piece = self._anchor
-        return {"parent": state, "piece": piece, "emitted": self._emitted}
+        state, offset = self._anchor
+        return {"parent": copy.deepcopy(state), "offset": offset, "emitted": self._emitted}
 
     def set_state(self, state: dict) -> None:
-        self._parent.set_state(state["parent"])
-        self._anchor = (state["parent"], state["piece"])
+        self._parent.set_state(copy.deepcopy(state["parent"]))
+        self._anchor = (copy.deepcopy(state["parent"]), int(state["offset"]))
         self._ready, self._carry, self._exhausted = [], None, False
-        self._emitted = 0
         self._fill_window(replay=True)
         del self._ready[: state["emitted"]]
-        self._emitted = state["emitted"]
+        self._emitted = int(state["emitted"])
 
     def _fill_window(self, replay: bool = False) -> None:
-        """Packs one window into self._ready; sets the anchor of the next window."""
+        """Packs one window into self._ready; remembers where the next window starts."""
         spec = self._spec
         bins: list[_Bin] = []
         skipped = 0
         if self._carry is not None:
-            parent_state, document, first_piece = self._carry
+            parent_state, document, position = self._carry
             self._carry = None
         else:
-            parent_state, first_piece = self._anchor
-            document = None
-        self._anchor, self._emitted = (parent_state, first_piece), 0
-        while True:
+            (parent_state, position), document = self._anchor, None
+            if position:  # a restored window that starts inside a document
+                document = next(self._parent)
+        self._anchor, self._emitted = (parent_state, position), 0
+        while self._carry is None:
             if document is None:
                 parent_state = copy.deepcopy(self._parent.get_state())
                 try:
@@ -101,44 +104,51 @@ class _PackIterator(grain.DatasetIterator):
                 except StopIteration:
                     self._exhausted = True
                     break
-                first_piece = 0
+                position = 0
                 if isinstance(document, Skipped):
                     skipped += 1
                     self._note_skip(document, replay)
                     document = None
                     continue
-            for number in range(first_piece, len(document.pieces)):
-                if not self._place(bins, document, number):
-                    self._carry = (parent_state, document, number)
+            while position < document.num_pairs:
+                stop = next_cut(document, position, spec.seq_len, spec.patch_budget)
+                placed = self._place(bins, document, position, stop)
+                if placed < stop:
+                    self._carry = (parent_state, document, placed)
                     break
-            if self._carry is not None:
-                break
+                position = stop
             document = None
         self._ready = [b.to_row(spec) for b in bins]
         if self._ready:
             self._ready[0]["skipped_documents"] = np.int32(skipped)
 
-    def _place(self, bins: list, document: Document, number: int) -> bool:
+    def _place(self, bins: list, document: Document, start: int, stop: int) -> int:
+        """Places pairs [start, stop) (cut if needed); returns the first pair not placed."""
         spec = self._spec
-        start, stop = document.pieces[number]
-        first, last = _piece_patches(document, start, stop)
-        tokens, patches = int(stop - start), last - first
-        fits = [
-            b
-            for b in bins
-            if b.tokens + tokens <= spec.seq_len and b.patches + patches <= spec.patch_budget
-        ]
-        if fits and spec.strategy == "first_fit":
-            target = fits[0]
-        elif fits:  # best fit: the row left with the fewest free tokens (then patches)
-            target = min(fits, key=lambda b: (spec.seq_len - b.tokens, spec.patch_budget - b.patches))
-        elif len(bins) < spec.num_bins:
-            target = _Bin()
-            bins.append(target)
-        else:
-            return False
-        target.add(document, start, stop, tokens, patches)
-        return True
+        while start < stop:
+            first, last = _piece_patches(document, start, stop)
+            tokens, patches = stop - start, last - first
+            fits = [b for b in bins if b.has_room(spec, tokens, patches)]
+            if fits or len(bins) < spec.num_bins:
+                if not fits:
+                    bins.append(_Bin())
+                    target = bins[-1]
+                elif spec.strategy == "first_fit":
+                    target = fits[0]
+                else:  # best fit: the row left with the fewest free tokens, then patches
+                    target = max(fits, key=lambda b: (b.tokens, b.patches))
+                target.add(document, start, stop, tokens, patches)
+                return stop
+            for row in bins:  # all bins open, none has room: fill them in order
+                cut = next_cut(document, start, spec.seq_len - row.tokens, spec.patch_budget - row.patches)
+                if cut > start:
+                    first, last = _piece_patches(document, start, cut)
+                    row.add(document, start, cut, cut - start, last - first)
+                    start = cut
+                    break
+            else:
+                return start
+        return stop
 
     def _note_skip(self, skipped: Skipped, replay: bool) -> None:
         if replay:
@@ -167,6 +177,9 @@ class _Bin:
     def __init__(self):
         self.tokens = self.patches = 0
         self.pieces: list[tuple[Document, int, int]] = []
+
+    def has_room(self, spec: PackIterDataset, tokens: int, patches: int) -> bool:
+        return self.tokens + tokens <= spec.seq_len and self.patches + patches <= spec.patch_budget
 
     def add(self, document, start, stop, tokens, patches):
         self.pieces.append((document, start, stop))
