@@ -104,7 +104,7 @@ class MultimodalLoader:
         self.sources = [s if isinstance(s, ShardSource) else ShardSource(str(s)) for s in sources]
         if not self.sources:
             raise ValueError("MultimodalLoader needs at least one shard set")
-        self.batch_size = batch_size
+        self.batch_size, self.patch_dim = batch_size, processor.patch_dim
         self.skipped_documents = 0
         self.batches = 0
         shard_sets = [_LockedShardSet(ShardSet(s.path, keep=s.keep)) for s in self.sources]
@@ -153,6 +153,11 @@ class MultimodalLoader:
     def __next__(self) -> dict[str, np.ndarray]:
         batch = dict(next(self._iterator))
         self.skipped_documents += int(batch.pop("skipped_documents").sum())
+        if "patches" not in batch:  # patch_budget 0: the packer leaves out empty vision arrays
+            rows = batch["tokens"].shape[0]
+            batch["patches"] = np.zeros((rows, 0, self.patch_dim), np.float32)
+            batch["patch_positions"] = np.zeros((rows, 0, 3), np.int32)
+            batch["patch_segment_ids"] = np.zeros((rows, 0), np.int32)
         self.batches += 1
         return batch
 

@@ -30,6 +30,7 @@ from data.mm_documents import Document, Skipped, next_cut
 LOG = logging.getLogger("m3jax.data")
 STRATEGIES = ("first_fit", "best_fit")
 WARN_EVERY = 100
+VISION_KEYS = ("patches", "patch_positions", "patch_segment_ids")
 
 
 class PackIterDataset(grain.IterDataset):
@@ -201,6 +202,9 @@ class _Bin:
             "patch_segment_ids": np.zeros(P, np.int32),
             "skipped_documents": np.int32(0),
         }
+        if P == 0:  # text only: no vision arrays (Grain's shared memory cannot hold empty ones)
+            for key in VISION_KEYS:
+                del row[key]
         column = patch_row = 0
         unit_id = 0
         for segment, (document, start, stop) in enumerate(self.pieces, start=1):
@@ -217,7 +221,7 @@ class _Bin:
             row["feature_index"][span] = np.where(
                 features >= 0, features + (patch_row - first) // spec.merge_rows, -1
             )
-            if last > first:
+            if last > first and P:
                 rows = slice(patch_row, patch_row + last - first)
                 row["patches"][rows] = document.patches[first:last]
                 row["patch_positions"][rows] = document.patch_positions[first:last]
