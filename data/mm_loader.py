@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import grain
 import numpy as np
 
-from data.mm_documents import DocumentProcessor
+from data.mm_documents import IMAGE, TEXT, VIDEO, DocumentProcessor
 from data.packing import PackIterDataset
 from data.shard_reader import ShardSet
 from data.tokenizer import ByteTokenizer
@@ -91,7 +91,9 @@ class MultimodalLoader:
         num_epochs: int | None = None,
         read_threads: int = 2,
     ):
-        _check_ints(seq_len=(seq_len, 2), batch_size=(batch_size, 1), patch_budget=(patch_budget, 0))
+        _check_ints(
+            seq_len=(seq_len, 2), batch_size=(batch_size, 1), patch_budget=(patch_budget, 0)
+        )
         _check_ints(seed=(seed, 0), num_workers=(num_workers, 0), read_threads=(read_threads, 1))
         if on_error not in POLICIES:
             raise ValueError(f"on_error={on_error!r} must be one of {POLICIES}")
@@ -192,6 +194,17 @@ class MultimodalLoader:
             close()
 
 
+def modality_counts(batch: dict[str, np.ndarray]) -> dict[str, int]:
+    """Tokens per modality in a batch (padding excluded), for per-modality metrics."""
+    used = batch["segment_ids"] > 0
+    modality = batch["modality"][used]
+    return {
+        "text_tokens": int((modality == TEXT).sum()),
+        "image_tokens": int((modality == IMAGE).sum()),
+        "video_tokens": int((modality == VIDEO).sum()),
+    }
+
+
 class _LockedShardSet:
     """A ShardSet whose reads are serialised: Grain reads with several threads."""
 
@@ -214,8 +227,8 @@ class _LockedShardSet:
         self._lock = threading.Lock()
 
     @property
-    def num_records(self) -> int:
-        return len(self._shards.index)
+    def manifest(self) -> dict:
+        return self._shards.manifest
 
 
 def _use_absl_defaults() -> None:
@@ -228,7 +241,11 @@ def _use_absl_defaults() -> None:
 
 
 def _fingerprint(sources, shard_sets, *settings) -> str:
-    parts = [(s.path, s.weight, len(shards)) for s, shards in zip(sources, shard_sets)]
+    # Identifies the data by content (shard checksums), not by path: shard sets may move.
+    parts = [
+        (s.weight, len(shards), [e.get("sha256") for e in shards.manifest["shards"]])
+        for s, shards in zip(sources, shard_sets)
+    ]
     text = json.dumps([parts, [repr(x) for x in settings]], default=str)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 

@@ -141,7 +141,9 @@ class _PackIterator(grain.DatasetIterator):
                 target.add(document, start, stop, tokens, patches)
                 return stop
             for row in bins:  # all bins open, none has room: fill them in order
-                cut = next_cut(document, start, spec.seq_len - row.tokens, spec.patch_budget - row.patches)
+                cut = next_cut(
+                    document, start, spec.seq_len - row.tokens, spec.patch_budget - row.patches
+                )
                 if cut > start:
                     first, last = _piece_patches(document, start, cut)
                     row.add(document, start, cut, cut - start, last - first)

@@ -125,7 +125,7 @@ def _entry_document(entry, where, base, source, license) -> InputDocument:
     for i, segment in enumerate(raw_segments):
         if not isinstance(segment, dict) or len(segment) != 1:
             raise ValueError(f"segment {i} must be one of {{text|image|video: ...}}")
-        (kind, value), = segment.items()
+        ((kind, value),) = segment.items()
         if kind not in ("text", "image", "video") or not isinstance(value, str):
             raise ValueError(f"segment {i}: {kind!r} must be text, image or video with a string")
         segments.append((kind, value if kind == "text" else base / value))
@@ -248,7 +248,13 @@ class Preparer:
     def _media(self, kind: str, data: bytes):
         if kind == "image":
             data, fmt, height, width, note = fit_image(data, self.limits)
-            return {"type": "image", "bytes": data, "format": fmt, "height": height, "width": width}, note
+            return {
+                "type": "image",
+                "bytes": data,
+                "format": fmt,
+                "height": height,
+                "width": width,
+            }, note
         data, info, note = fit_video(data, self.limits)
         segment = {
             "type": "video",
@@ -324,7 +330,9 @@ class ShardSetWriter:
         if self._writer is None:
             record_name, _ = shard_names(len(self.shards))
             self._temporary = self.output / f".tmp-{record_name}"
-            self._writer = array_record_module.ArrayRecordWriter(str(self._temporary), WRITER_OPTIONS)
+            self._writer = array_record_module.ArrayRecordWriter(
+                str(self._temporary), WRITER_OPTIONS
+            )
         self._writer.write(data)
         self._rows.append(row)
         self._bytes += len(data)

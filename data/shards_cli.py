@@ -31,7 +31,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """"512MB" -> 512·2^20 bytes (K/M/G/T are powers of 1024; a bare number is bytes)."""
+    """ "512MB" -> 512·2^20 bytes (K/M/G/T are powers of 1024; a bare number is bytes)."""
     match = _SIZE.match(text)
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512MB, 64KB or 1G")
@@ -123,7 +123,9 @@ def _inspect(directory: str, samples: int) -> int:
     print(f"{directory}: schema v{manifest['version']}, {len(shards)} records in "
           f"{len(shards.shards)} shard(s), {sum(shards.sizes.values()) / 2**20:.1f} MiB")  # fmt: skip
     for name, value in manifest["totals"].items():
-        print(f"  {name:14s} {value:,.1f}" if isinstance(value, float) else f"  {name:14s} {value:,}")
+        print(
+            f"  {name:14s} {value:,.1f}" if isinstance(value, float) else f"  {name:14s} {value:,}"
+        )
     config = ProcessorConfig(**manifest.get("processor_for_estimates", {}))
     processor = DocumentProcessor(ByteTokenizer(), config, 1 << 30, 1 << 30)
     for position in np.linspace(0, len(shards) - 1, min(samples, len(shards))).astype(int):

@@ -62,7 +62,9 @@ class ProcessorConfig:
         for kind in ("image", "video"):
             low, high = getattr(self, f"{kind}_min_pixels"), getattr(self, f"{kind}_max_pixels")
             if low > high:
-                raise ValueError(f"ProcessorConfig: {kind}_min_pixels={low} > {kind}_max_pixels={high}")
+                raise ValueError(
+                    f"ProcessorConfig: {kind}_min_pixels={low} > {kind}_max_pixels={high}"
+                )
 
     @property
     def factor(self) -> int:
@@ -118,7 +120,9 @@ def normalize(pixels: np.ndarray) -> np.ndarray:
     return (pixels.astype(np.float32) - mean) / std
 
 
-def patchify(frames: np.ndarray, config: ProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+def patchify(
+    frames: np.ndarray, config: ProcessorConfig
+) -> tuple[np.ndarray, tuple[int, int, int]]:
     """float32 frames [F, H, W, C] (F a multiple of T) -> (patches [N, D], grid (t, h, w)).
 
     Rows: for t, for block row, for block col, for row in block, for col in block (§4.3).

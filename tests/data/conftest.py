@@ -18,7 +18,9 @@ def mm_shards(tmp_path_factory):
 def text_shards(tmp_path_factory):
     path = tmp_path_factory.mktemp("shards") / "text"
     documents = [
-        InputDocument(f"t{i}", f"t{i}", "tests", "CC0-1.0", {}, (("text", f"text doc {i} " * (i + 1)),))
+        InputDocument(
+            f"t{i}", f"t{i}", "tests", "CC0-1.0", {}, (("text", f"text doc {i} " * (i + 1)),)
+        )
         for i in range(30)
     ]
     write_documents(documents, path, shard_size=1_000, processor=TINY)

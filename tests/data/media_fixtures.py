@@ -6,7 +6,7 @@ import numpy as np
 import PIL.Image
 
 from data.media import encode_video
-from data.shard_builder import InputDocument, write_documents
+from data.shard_builder import InputDocument
 from data.vision_processing import ProcessorConfig
 
 # Tiny budgets: an image is 4..16 placeholder tokens, a video frame pair 4.
@@ -44,5 +44,7 @@ def multimodal_documents(count: int, seed: int = 0) -> list[InputDocument]:
             segments.append(("text", f" after image in {i}."))
         if i % 5 == 2:
             segments.append(("video", video_bytes(rng, int(rng.integers(2, 12)))))
-        documents.append(InputDocument(f"doc{i}", f"doc{i}", "tests", "CC0-1.0", {"i": i}, tuple(segments)))
+        documents.append(
+            InputDocument(f"doc{i}", f"doc{i}", "tests", "CC0-1.0", {"i": i}, tuple(segments))
+        )
     return documents

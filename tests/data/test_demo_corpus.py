@@ -19,7 +19,7 @@ def test_skimage_captions_and_licences_come_from_docstrings():
 
 
 def test_synthetic_clips_decode():
-    name, caption, data = synthetic_clips()[0]
+    _, caption, data = synthetic_clips()[0]
     info = probe_video(data)
     assert (info.num_frames, info.height, info.width, info.fps) == (24, 96, 96, 8.0)
     assert caption == "A red circle moves left to right over a dark blue background."

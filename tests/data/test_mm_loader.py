@@ -7,14 +7,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from media_fixtures import TINY, png_bytes
 
 from data.mm_documents import DataError, DocumentProcessor
-from data.mm_loader import MultimodalLoader, ShardSource
+from data.mm_loader import MultimodalLoader, ShardSource, modality_counts
 from data.shard_builder import ShardSetWriter, index_row
 from data.shard_format import encode_record
 from data.shard_reader import ShardSet
 from data.tokenizer import ByteTokenizer
-from media_fixtures import TINY, png_bytes
 
 TOK = ByteTokenizer()
 VISION_TOKENS = [TOK.image_id, TOK.video_id, TOK.vision_start_id, TOK.vision_end_id]
@@ -22,8 +22,15 @@ S, P, B = 96, 96, 3
 
 
 def _loader(paths, **overrides):
-    settings = dict(seq_len=S, batch_size=B, patch_budget=P, seed=3, processor=TINY,
-                    shard_index=0, shard_count=1)  # fmt: skip
+    settings = {
+        "seq_len": S,
+        "batch_size": B,
+        "patch_budget": P,
+        "seed": 3,
+        "processor": TINY,
+        "shard_index": 0,
+        "shard_count": 1,
+    }
     settings.update(overrides)
     return MultimodalLoader(paths if isinstance(paths, list) else [paths], **settings)
 
@@ -66,7 +73,9 @@ def _check_row_invariants(batch):
         assert (np.diff(segments[used]) >= 0).all()
         starts = np.flatnonzero(np.diff(segments, prepend=-1) != 0)
         for start, stop in zip(starts, np.append(starts[1:], len(segments))):
-            assert positions[start:stop].tolist() == list(range(stop - start)) or segments[start] == 0
+            assert (
+                positions[start:stop].tolist() == list(range(stop - start)) or segments[start] == 0
+            )
         assert (loss[~used] == 0).all() and (tokens[~used] == TOK.pad_id).all()
         assert (loss[np.isin(targets, VISION_TOKENS)] == 0).all()
         assert (loss[used & ~np.isin(targets, VISION_TOKENS)] == 1).all()
@@ -85,7 +94,9 @@ def _check_row_invariants(batch):
             assert len(grid) == np.prod(grid.max(axis=0) + 1)
         # All placeholders between one START and END point into one unit.
         for start in np.flatnonzero(tokens == TOK.vision_start_id):
-            block = features[start + 1 : start + 1 + np.argmax(tokens[start + 1 :] == TOK.vision_end_id)]
+            block = features[
+                start + 1 : start + 1 + np.argmax(tokens[start + 1 :] == TOK.vision_end_id)
+            ]
             assert len({int(patch_ids[4 * r]) for r in block}) == 1
 
 
@@ -242,12 +253,28 @@ def test_undecodable_record_skip_policy(broken_record_shards):
 
 
 def test_undecodable_record_fail_policy(broken_record_shards):
-    with pytest.raises(DataError, match=r"shard-00000.array_record#1: segment 1 \(image\): undecodable"):
+    with pytest.raises(
+        DataError, match=r"shard-00000.array_record#1: segment 1 \(image\): undecodable"
+    ):
         _epoch(_loader(broken_record_shards, num_epochs=1, batch_size=1, on_error="fail"))
 
 
 def test_unit_larger_than_budget_is_skipped_with_reason(broken_record_shards):
     loader = _loader(broken_record_shards, num_epochs=1, batch_size=1, patch_budget=8)
     assert _epoch(loader) == []  # every document skipped (counts ride on rows: none here)
-    with pytest.raises(DataError, match=r"array_record#\d: a vision unit of 6 tokens and 16 patches"):
-        _epoch(_loader(broken_record_shards, num_epochs=1, batch_size=1, patch_budget=8, on_error="fail"))
+    with pytest.raises(
+        DataError, match=r"array_record#\d: a vision unit of 6 tokens and 16 patches"
+    ):
+        _epoch(
+            _loader(
+                broken_record_shards, num_epochs=1, batch_size=1, patch_budget=8, on_error="fail"
+            )
+        )
+
+
+def test_modality_counts_exclude_padding(mm_shards):
+    batch = next(_loader(mm_shards))
+    counts = modality_counts(batch)
+    assert sum(counts.values()) == (batch["segment_ids"] > 0).sum()
+    placeholders = np.isin(batch["tokens"], [TOK.image_id, TOK.video_id]).sum()
+    assert counts["image_tokens"] + counts["video_tokens"] >= placeholders

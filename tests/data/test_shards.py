@@ -78,7 +78,9 @@ def _folder_input(root):
 def test_build_folder_reports_skips_then_verify_and_inspect(tmp_path, capsys):
     _folder_input(tmp_path / "in")
     out = tmp_path / "out"
-    assert main(["build", "--input", str(tmp_path / "in"), "--output", str(out), "--no-progress"]) == 0
+    assert (
+        main(["build", "--input", str(tmp_path / "in"), "--output", str(out), "--no-progress"]) == 0
+    )
     text = capsys.readouterr().out
     assert "wrote 2 documents in 1 shard(s)" in text and "1 images, 1 videos" in text
     assert "skipped 3 input(s)" in text
@@ -121,7 +123,9 @@ def test_build_jsonl_manifest_with_bad_lines(tmp_path, capsys):
 
 
 def test_crash_during_build_leaves_nothing_readable(tmp_path, monkeypatch):
-    documents = [InputDocument(f"w{i}", f"d{i}", "s", "l", {}, (("text", "x" * 500),)) for i in range(6)]
+    documents = [
+        InputDocument(f"w{i}", f"d{i}", "s", "l", {}, (("text", "x" * 500),)) for i in range(6)
+    ]
     real_prepare = shard_builder.Preparer.prepare
     calls = []
 
@@ -147,7 +151,9 @@ def test_oversize_media_are_reencoded_within_caps(tmp_path):
     gif = io.BytesIO()
     PIL.Image.fromarray(RNG.integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(gif, "GIF")
     clip = video_bytes(RNG, 20, height=96, width=128, fps=24.0)
-    documents = [InputDocument("w", "d", "s", "l", {}, (("image", gif.getvalue()), ("video", clip)))]
+    documents = [
+        InputDocument("w", "d", "s", "l", {}, (("image", gif.getvalue()), ("video", clip)))
+    ]
     limits = MediaLimits(max_image_pixels=100 * 100, max_video_pixels=64 * 48, max_video_fps=8.0)
     report = write_documents(documents, tmp_path / "set", limits=limits, processor=TINY)
     assert report.documents == 1 and "downscaled 400x300" in report.notes[0][1]
@@ -172,9 +178,15 @@ def test_verify_finds_a_corrupted_shard(tmp_path, capsys):
 
 
 def test_manifest_totals_and_size_parsing(tmp_path):
-    documents = [InputDocument("w", "d", "s", "l", {}, (("text", "héllo"), ("image", png_bytes(RNG, 60, 60))))]
+    documents = [
+        InputDocument(
+            "w", "d", "s", "l", {}, (("text", "héllo"), ("image", png_bytes(RNG, 60, 60)))
+        )
+    ]
     write_documents(documents, tmp_path / "set", processor=TINY)
     totals = read_manifest(tmp_path / "set")["totals"]
     assert totals["text_bytes"] == 6 and totals["images"] == 1
     assert totals["est_tokens"] == 2 + 6 + (4 + 2)  # 60x60 -> 56x56: 4 placeholders + brackets
-    assert parse_size("512MB") == 512 << 20 and parse_size("64k") == 65536 and parse_size("100") == 100
+    assert (
+        parse_size("512MB") == 512 << 20 and parse_size("64k") == 65536 and parse_size("100") == 100
+    )

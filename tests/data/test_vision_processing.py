@@ -155,7 +155,9 @@ def test_process_image_repeats_the_frame_and_counts_tokens():
     assert item.patches.shape[0] // 4 == 216
     halves = item.patches.reshape(864, 3, 2, 196)
     np.testing.assert_array_equal(halves[:, :, 0], halves[:, :, 1])
-    expected = _reference_patches(np.repeat(normalize(resize_bicubic_uint8(rgb, 504, 336))[None], 2, 0))
+    expected = _reference_patches(
+        np.repeat(normalize(resize_bicubic_uint8(rgb, 504, 336))[None], 2, 0)
+    )
     np.testing.assert_array_equal(item.patches, expected)
 
 
