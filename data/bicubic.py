@@ -15,9 +15,11 @@ uint8 kernel (`_upsample_bicubic2d_aa`), which works like Pillow's resampler but
   allows (Pillow keeps 22 bits in int32, hence its ±1 differences from torch on ~0.5% of pixels).
 
 This module reproduces that integer arithmetic in NumPy. Measured against torch 2.13.0
-(`torch.nn.functional.interpolate(uint8, mode="bicubic", antialias=True)`, AVX512 machine) it is
-bit-exact on every shape tried (see the report in tests/data/test_bicubic.py); Pillow's BICUBIC
-differs from torch by at most 1-2 levels. Shape legend: H, W input height and width, h, w output.
+(`torch.nn.functional.interpolate(uint8, mode="bicubic", antialias=True)`, AVX512 CPU) it was
+bit-exact on 100 random up- and downscales, on video frame stacks, and on every scikit-image sample
+image at M3's and the demo's sizes; tests/data/test_vision_processing.py keeps torch's output for a
+few inputs as fixtures. Pillow's BICUBIC, by contrast, differs from torch by up to 7 levels (0.3% of
+values) on those photos and up to 25 on noise. Shape legend: H, W input height and width, h, w output.
 """
 
 import numpy as np

@@ -1,12 +1,17 @@
-"""Synthetic media and documents for the data tests (numbers-only: random pixels, no files)."""
+"""Synthetic media, documents and shard-set fixtures for the data tests (random pixels, no files).
+
+Not a conftest.py: other test folders import `conftest` by name (for REPO), so a second
+conftest module here would shadow theirs.
+"""
 
 import io
 
 import numpy as np
 import PIL.Image
+import pytest
 
 from data.media import encode_video
-from data.shard_builder import InputDocument
+from data.shard_builder import InputDocument, write_documents
 from data.vision_processing import ProcessorConfig
 
 # Tiny budgets: an image is 4..16 placeholder tokens, a video frame pair 4.
@@ -48,3 +53,24 @@ def multimodal_documents(count: int, seed: int = 0) -> list[InputDocument]:
             InputDocument(f"doc{i}", f"doc{i}", "tests", "CC0-1.0", {"i": i}, tuple(segments))
         )
     return documents
+
+
+@pytest.fixture(scope="session")
+def mm_shards(tmp_path_factory):
+    """24 interleaved documents in several shards."""
+    path = tmp_path_factory.mktemp("shards") / "mm"
+    write_documents(multimodal_documents(24), path, shard_size=60_000, processor=TINY)
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_shards(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shards") / "text"
+    documents = [
+        InputDocument(
+            f"t{i}", f"t{i}", "tests", "CC0-1.0", {}, (("text", f"text doc {i} " * (i + 1)),)
+        )
+        for i in range(30)
+    ]
+    write_documents(documents, path, shard_size=1_000, processor=TINY)
+    return path

@@ -1,4 +1,5 @@
 """The Grain pipeline: packing invariants, exact resume (workers on), mixtures, sharding, bad data."""
+# ruff: noqa: F811 -- the shard-set fixtures are imported from media_fixtures and used as arguments
 
 import json
 import logging
@@ -7,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from media_fixtures import TINY, png_bytes
+from media_fixtures import TINY, mm_shards, png_bytes, text_shards  # noqa: F401 (fixtures)
 
 from data.mm_documents import DataError, DocumentProcessor
 from data.mm_loader import MultimodalLoader, ShardSource, modality_counts
