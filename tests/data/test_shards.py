@@ -190,3 +190,24 @@ def test_manifest_totals_and_size_parsing(tmp_path):
     assert (
         parse_size("512MB") == 512 << 20 and parse_size("64k") == 65536 and parse_size("100") == 100
     )
+
+
+@pytest.mark.slow
+def test_build_output_does_not_depend_on_workers(tmp_path):
+    documents = [
+        InputDocument(
+            f"w{i}",
+            f"d{i}",
+            "s",
+            "l",
+            {},
+            (("text", f"doc {i}"), ("image", png_bytes(RNG, 32, 40 + i))),
+        )
+        for i in range(6)
+    ]
+    write_documents(documents, tmp_path / "one", workers=1, shard_size=4000)
+    write_documents(documents, tmp_path / "two", workers=2, shard_size=4000)
+    one, two = ShardSet(tmp_path / "one"), ShardSet(tmp_path / "two")
+    assert [s["sha256"] for s in one.manifest["shards"]] == [
+        s["sha256"] for s in two.manifest["shards"]
+    ]
