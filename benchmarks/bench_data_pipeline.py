@@ -25,7 +25,8 @@ import PIL.Image
 from data.demo_corpus import DEMO_PROCESSOR, demo_shard_sets
 from data.media import encode_video
 from data.mm_loader import MultimodalLoader
-from data.shard_builder import InputDocument, write_documents
+from data.shard_builder import write_documents
+from data.shard_inputs import InputDocument
 from data.shard_reader import ShardSet
 from data.vision_processing import ProcessorConfig
 

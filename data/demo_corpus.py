@@ -23,8 +23,9 @@ import re
 import numpy as np
 
 from data.media import MediaLimits, encode_video
-from data.shard_builder import InputDocument, write_documents
+from data.shard_builder import write_documents
 from data.shard_format import MANIFEST_NAME
+from data.shard_inputs import InputDocument
 from data.text_corpus import shakespeare_documents
 from data.vision_processing import ProcessorConfig
 

@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 from data.media import MediaError, MediaLimits, decode_image, probe_video
 from data.mm_documents import DocumentProcessor
-from data.shard_builder import BuildError, index_row, read_inputs, write_documents
+from data.shard_builder import index_row, write_documents
 from data.shard_format import ShardFormatError, decode_record, file_sha256
+from data.shard_inputs import BuildError, read_inputs
 from data.shard_reader import ShardSet
 from data.tokenizer import ByteTokenizer
 from data.vision_processing import ProcessorConfig

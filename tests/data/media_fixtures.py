@@ -11,7 +11,8 @@ import PIL.Image
 import pytest
 
 from data.media import encode_video
-from data.shard_builder import InputDocument, write_documents
+from data.shard_builder import write_documents
+from data.shard_inputs import InputDocument
 from data.vision_processing import ProcessorConfig
 
 # Tiny budgets: an image is 4..16 placeholder tokens, a video frame pair 4.

@@ -10,7 +10,7 @@ from media_fixtures import TINY, png_bytes, video_bytes
 
 from data import shard_builder
 from data.media import MediaLimits, probe_video
-from data.shard_builder import InputDocument, write_documents
+from data.shard_builder import write_documents
 from data.shard_format import (
     SCHEMA_VERSION,
     ShardFormatError,
@@ -18,6 +18,7 @@ from data.shard_format import (
     encode_record,
     read_manifest,
 )
+from data.shard_inputs import InputDocument
 from data.shard_reader import ShardSet
 from data.shards_cli import main, parse_size
 
