@@ -6,9 +6,9 @@ Datasets: the demo corpus (multimodal and Shakespeare shard sets, demo processor
 synthetic larger set built here (photo-like JPEGs of 320-1024 px and 4 s 320x240 clips at 24 fps,
 processed with M3's default budgets). Each variant reads one epoch through the full pipeline
 (decode, resize, patchify, pack, batch); rates are measured after the first batch (worker start-up
-is reported apart) and scale the shard index's totals by the share of tokens read in that time. `workers=0` runs everything in this process: with one read thread
-that is one core's throughput (PyAV may use a helper thread while decoding). Prints a markdown
-table, then one JSON line.
+is reported apart) and scale the shard index's totals by the share of tokens read in that time.
+`workers=0` runs everything in this process, and the per-cpu-s columns divide by its CPU time: one
+core's throughput, unaffected by other load on the machine. Prints a markdown table, then JSON.
 """
 
 import argparse
@@ -74,8 +74,8 @@ def run_epoch(path, processor, *, seq_len, patch_budget, batch_size, workers) ->
         tokens += int((batch["segment_ids"] > 0).sum())
         rows += batch["tokens"].shape[0]
         if first is None:
-            first = (time.perf_counter(), tokens)
-    end = time.perf_counter()
+            first = (time.perf_counter(), tokens, time.process_time())
+    end, cpu_end = time.perf_counter(), time.process_time()
     loader.close()
     index = shards.index
     # Rates over the steady part (after the first batch), scaled by its share of the tokens.
@@ -89,7 +89,21 @@ def run_epoch(path, processor, *, seq_len, patch_budget, batch_size, workers) ->
         "images_per_s": share * float(index["images"].sum()) / seconds,
         "video_seconds_per_s": share * float(index["video_seconds"].sum()) / seconds,
         "row_fill": tokens / max(1, rows * seq_len),
+        # CPU seconds of this process (all its threads) in the steady part: with workers=0 this is
+        # the pipeline's whole cost, so per-CPU-second rates hold however busy the machine is.
+        "cpu_seconds": cpu_end - first[2],
+        "documents_per_cpu_s": share * len(index) / (cpu_end - first[2]),
+        "tokens_per_cpu_s": (tokens - first[1]) / (cpu_end - first[2]),
+        "images_per_cpu_s": share * float(index["images"].sum()) / (cpu_end - first[2]),
+        "video_seconds_per_cpu_s": share
+        * float(index["video_seconds"].sum())
+        / (cpu_end - first[2]),
     }
+
+
+def cpu_rate(result: dict, what: str) -> float:
+    """Per CPU-second of the main process: meaningful only without worker processes."""
+    return result[f"{what}_per_cpu_s"] if result["workers"] == 0 else float("nan")
 
 
 def main() -> None:
@@ -116,14 +130,15 @@ def main() -> None:
     print(f"\nData pipeline, one epoch, {os.cpu_count()} CPU core(s) on this machine\n")
     print(
         "| dataset | workers | S / P | docs/s | tokens/s | images/s | video s/s | row fill "
-        "| start-up s | steady s |"
+        "| start-up s | steady s | docs/cpu-s | tokens/cpu-s | images/cpu-s | video s/cpu-s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 14 + "|")
     for r in results:
         print(f"| {r['dataset']} | {r['workers']} | {r['seq_len']} / {r['patch_budget']} | "
               f"{r['documents_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['images_per_s']:.1f} | "
               f"{r['video_seconds_per_s']:.2f} | {r['row_fill']:.3f} | {r['startup_s']:.1f} | "
-              f"{r['seconds']:.1f} |")  # fmt: skip
+              f"{r['seconds']:.1f} | {cpu_rate(r, 'documents'):.1f} | {cpu_rate(r, 'tokens'):,.0f} | "
+              f"{cpu_rate(r, 'images'):.1f} | {cpu_rate(r, 'video_seconds'):.2f} |")  # fmt: skip
     print(
         json.dumps({"benchmark": "data_pipeline", "cpu_count": os.cpu_count(), "results": results})
     )
