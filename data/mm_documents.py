@@ -96,6 +96,8 @@ class DocumentProcessor:
             if self.on_error == "fail":
                 raise DataError(f"{raw.where}: {e}") from None
             return Skipped(raw.where, str(e))
+        except Exception as e:  # a bug, not bad data: stop under any policy, naming the record
+            raise DataError(f"{raw.where}: unexpected {type(e).__name__}: {e}") from e
 
     def process(self, where: str, record: dict) -> Document:
         tok = self.tokenizer

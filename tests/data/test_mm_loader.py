@@ -279,3 +279,12 @@ def test_modality_counts_exclude_padding(mm_shards):
     assert sum(counts.values()) == (batch["segment_ids"] > 0).sum()
     placeholders = np.isin(batch["tokens"], [TOK.image_id, TOK.video_id]).sum()
     assert counts["image_tokens"] + counts["video_tokens"] >= placeholders
+
+
+def test_unexpected_errors_name_the_record(broken_record_shards, monkeypatch):
+    def explode(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("data.mm_documents.process_image", explode)
+    with pytest.raises(DataError, match=r"array_record#\d: unexpected RuntimeError: boom"):
+        _epoch(_loader(broken_record_shards, num_epochs=1, batch_size=1))
