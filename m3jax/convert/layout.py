@@ -119,6 +119,17 @@ def leaf_shapes(config: ModelConfig) -> dict[LeafPath, tuple[int, ...]]:
     return {tuple(_key(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
 
 
+def nested(leaves: dict[LeafPath, object]) -> dict:
+    """{leaf path: array} -> the nested {"params": ..., "buffers": ...} dicts."""
+    tree: dict = {}
+    for leaf, value in leaves.items():
+        node = tree
+        for key in leaf[:-1]:
+            node = node.setdefault(key, {})
+        node[leaf[-1]] = value
+    return tree
+
+
 def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     """All upstream tensors of the model, in a stable order (text, then vision and projector).
 

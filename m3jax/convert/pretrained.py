@@ -29,6 +29,7 @@ from m3jax.convert.layout import (
     TensorSpec,
     from_upstream,
     leaf_shapes,
+    nested,
     tensor_specs,
     to_upstream,
 )
@@ -59,13 +60,13 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = True) -> tuple[Mo
     config, source = open_checkpoint(path)
     specs = tensor_specs(config)
     check_tensors(specs, source, strict=strict)
-    weights: dict = {}
+    leaves = {}
     for leaf, shape in leaf_shapes(config).items():
         array = np.empty(shape, np.float32)
         for index, block in leaf_blocks([s for s in specs if s.leaf == leaf], source):
             array[index] = block
-        _set(weights, leaf, jnp.asarray(array))
-    return config, weights
+        leaves[leaf] = jnp.asarray(array)
+    return config, nested(leaves)
 
 
 def save_pretrained(
@@ -217,10 +218,3 @@ def _flatten(tree: dict) -> list[tuple[LeafPath, object]]:
     return [
         (tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path), x) for path, x in flat
     ]
-
-
-def _set(tree: dict, leaf: LeafPath, value) -> None:
-    *parents, last = leaf
-    for key in parents:
-        tree = tree.setdefault(key, {})
-    tree[last] = value
