@@ -59,15 +59,16 @@ def main(argv: list[str] | None = None) -> int:
 def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
     """Trains until run.train.steps (or a stop signal); returns the summary it prints."""
     _check_saved_model(run_dir, run)
-    loader = _make_loader(run)
+    loader = make_loader(run)
     session = TrainingSession(
         functional(run.model), run, Checkpoints(run_dir / "checkpoints", run.checkpoint)
     )
     start = session.restore_or_init(loader)
+    resumed = session.checkpoints.latest_step() is not None  # step 0 too: m3-import writes it
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
     writer = MetricsWriter(run_dir, tensorboard=run.logging.tensorboard, resume_step=start)
     print(
-        f"m3-train: {'resuming at step ' + str(start) if start else 'starting'} in {run_dir} "
+        f"m3-train: {'resuming at step ' + str(start) if resumed else 'starting'} in {run_dir} "
         f"({session.num_params / 1e6:.2f}M params, {jax.device_count()} {jax.default_backend()} "
         f"device(s), mesh {dict(session.mesh.shape)})",
         flush=True,
@@ -135,7 +136,7 @@ def _reduce(window: list[dict], untimed: int, seconds: float) -> dict:
     return logged
 
 
-def _make_loader(run: RunConfig) -> PackedTextLoader:
+def make_loader(run: RunConfig) -> PackedTextLoader:
     tokenizer = ByteTokenizer()
     if run.model.vocab_size < tokenizer.vocab_size:
         raise RunError(

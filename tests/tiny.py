@@ -38,3 +38,20 @@ def tiny_run(**sections) -> RunConfig:
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return from_mapping(RunConfig, data, where="tiny")
+
+
+# A ViT of head dim 12 (3 axes × 4 rotary channels, none unrotated) and one layer, for model tests.
+TINY_VISION = {
+    "hidden_size": 24,
+    "intermediate_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "projector_hidden_size": 16,
+    "image_token_id": 270,
+    "video_token_id": 271,
+}
+
+
+def tiny_vision_run(**sections) -> RunConfig:
+    """tiny_run with a vision tower (token ids 270/271 lie above the byte tokenizer's 263)."""
+    return tiny_run(**{"model": {"vision": TINY_VISION}, **sections})

@@ -7,6 +7,9 @@ upstream keys (`sparse_attention_config`, `moe_layer_freq`, top-level `rope_thet
 known: mapped, harmless (token ids, cache flags, ...), or pinned to the only value m3jax and
 transformers implement (e.g. `n_shared_experts: 1`); anything else raises ConfigError naming it.
 
+Training knobs (TRAINING_FIELDS: dtype, remat, MoE bias update rate and balance loss weight) are
+not part of config.json; a loaded config has their defaults.
+
 `to_hf_config` writes a config.json that transformers loads as
 `MiniMaxM3SparseForConditionalGeneration`, with `partial_rotary_factor` and, for engines that read
 MiniMax's own keys, consistent `sparse_attention_config` / `moe_layer_freq`. A text-only model
@@ -14,12 +17,15 @@ MiniMax's own keys, consistent `sparse_attention_config` / `moe_layer_freq`. A t
 initialised vision tower, and `from_hf_config` reads such a file back as text-only.
 """
 
+import dataclasses
 from typing import Any
 
 from m3jax.config import ModelConfig, MoEConfig, MSAConfig, VisionConfig
 from m3jax.config_loading import ConfigError
 
 ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"
+# ModelConfig fields config.json does not carry (how we train, not what the model computes).
+TRAINING_FIELDS = ("dtype", "remat", "moe.bias_update_rate", "moe.balance_loss_weight")
 MODEL_TYPES = {
     "top": "minimax_m3_vl",
     "text": "minimax_m3_vl_text",
@@ -175,6 +181,16 @@ def to_hf_config(config: ModelConfig, *, dtype: str = "float32") -> dict:
             merged_hidden_size=config.hidden_size * vision.spatial_merge_size**2,
         )
     return out
+
+
+def with_training_fields(config: ModelConfig, source: ModelConfig) -> ModelConfig:
+    """`config` with the TRAINING_FIELDS of `source` (config.json leaves them at their defaults)."""
+    moe = dataclasses.replace(
+        config.moe,
+        bias_update_rate=source.moe.bias_update_rate,
+        balance_loss_weight=source.moe.balance_loss_weight,
+    )
+    return dataclasses.replace(config, dtype=source.dtype, remat=source.remat, moe=moe)
 
 
 def _text_fields(text: dict, where: str, prefix: str) -> dict:
