@@ -11,6 +11,7 @@ import pytest
 from tiny import tiny_vision_run
 
 import m3jax
+from m3jax.convert.layout import leaf_shapes, nested
 from m3jax.model import functional
 from m3jax.vision_inputs import grid_positions, pack_vision_inputs
 
@@ -92,8 +93,10 @@ def test_pack_vision_inputs_errors_name_the_argument(ids_images, kwargs, message
 
 @pytest.fixture(scope="module")
 def weights():
-    params, buffers = jax.jit(functional(CONFIG).init, static_argnums=0)(0)  # eager init: 17 s
-    return {"params": params, "buffers": buffers}
+    """Random weights without compiling `init` (which costs ~15 s on CPU)."""
+    rng = np.random.default_rng(0)
+    shapes = leaf_shapes(CONFIG).items()
+    return nested({leaf: rng.normal(0, 0.2, shape).astype(np.float32) for leaf, shape in shapes})
 
 
 def test_model_padding_the_patch_budget_and_other_images_change_nothing(weights):
