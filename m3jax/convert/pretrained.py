@@ -16,6 +16,7 @@ import pathlib
 import re
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,16 @@ from m3jax.convert.safetensors_io import (
 CONFIG_FILE = "config.json"
 EXPORT_DTYPES = {"float32": DTYPES["F32"], "bfloat16": DTYPES["BF16"]}
 MTP = re.compile(r"(^|\.)mtp\.")  # multi-token-prediction weights: transformers ignores them too
+
+
+class TensorSource(Protocol):
+    """Tensors by upstream name: a SafetensorsDirectory, or an UpstreamView of the in-memory
+    layout. `read` may return a memory map; `origin` says where a tensor lives, for errors."""
+
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def read(self, name: str) -> np.ndarray: ...
+    def origin(self, name: str) -> str: ...
 
 
 class CheckpointFormatError(ValueError):
@@ -107,7 +118,7 @@ def save_pretrained(
     )
 
 
-def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, object]:
+def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]:
     """(config, tensor source read through upstream names) of a checkpoint directory."""
     directory = pathlib.Path(path)
     config_path = directory / CONFIG_FILE
@@ -124,7 +135,7 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, object]:
     return config, source
 
 
-def check_tensors(specs: list[TensorSpec], source, *, strict: bool) -> None:
+def check_tensors(specs: list[TensorSpec], source: TensorSource, *, strict: bool) -> None:
     """Every expected tensor present with its shape; nothing unexpected (mtp.* if not strict)."""
     expected = {spec.name: spec for spec in specs}
     names = set(source.names())
@@ -155,7 +166,9 @@ def check_tensors(specs: list[TensorSpec], source, *, strict: bool) -> None:
             )
 
 
-def leaf_blocks(specs: list[TensorSpec], source) -> Iterator[tuple[tuple, np.ndarray]]:
+def leaf_blocks(
+    specs: list[TensorSpec], source: TensorSource
+) -> Iterator[tuple[tuple, np.ndarray]]:
     """(index into the leaf, float32 value) for each upstream tensor of one leaf, read lazily."""
     for spec in specs:
         yield spec.index, from_upstream(spec, np.asarray(source.read(spec.name), np.float32))
