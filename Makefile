@@ -3,6 +3,10 @@ PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
 ARGS ?=
+# Side venv for the transformers parity tests (tests/interop): torch's CPU build is for Python 3.11.
+HF_PYTHON ?= env PYENV_VERSION=3.11.7 python3
+HF_VENV := .cache/hf-venv
+HF_STAMP := $(HF_VENV)/.installed
 
 .PHONY: demo test clean-demo
 
@@ -16,8 +20,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/m3-train --config configs/demo.yaml --run-dir runs/demo $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(HF_STAMP)
 	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+$(HF_STAMP):
+	@$(HF_PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "parity tests need Python 3.11 (set HF_PYTHON); found " + sys.version.split()[0] + " at " + sys.executable)'
+	@test -x $(HF_VENV)/bin/python || $(HF_PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.23.0
+	@touch $(HF_STAMP)
 
 clean-demo:
 	rm -rf runs/demo

@@ -18,11 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from m3jax import params
+from m3jax import attention_ops, params
 from m3jax.config import ModelConfig
 from m3jax.norms import RMSNorm
 from m3jax.rope import apply_rope
-from m3jax import attention_ops
 
 
 class AttentionInputs(NamedTuple):
@@ -129,7 +128,7 @@ class Attention(nnx.Module):
         else:
             out, kl = attention_ops.sparse(impl, msa, q, k, v, blocks, segment_ids, student)
         valid = segment_ids > 0
-        stats = {}
+        stats = {} if blocks is None else {"blocks": blocks}
         if kl is not None:
             stats["kl"] = _mean_over_tokens(kl, valid)
         if mode.block_recall:

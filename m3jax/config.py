@@ -1,8 +1,8 @@
 """Model configuration: frozen dataclasses that mirror MiniMax-M3-VL's text and vision configs.
 
 Field names follow our style (whole words); `spec/m3_architecture.md` §2 gives the transformers name
-for each, and `m3jax/convert/` (later) translates. Every inconsistency a user can write is rejected in
-`__post_init__` with a message that names the field and its value.
+for each, and `m3jax/convert/hf_config.py` translates. Every inconsistency a user can write is
+rejected in `__post_init__` with a message that names the field and its value.
 """
 
 import dataclasses
@@ -65,18 +65,21 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
-    """ViT tower and projector (`spec/m3_architecture.md` §4-5). The text model does not read it yet."""
+    """ViT tower, projector and placeholder tokens (`spec/m3_architecture.md` §4-5)."""
 
     hidden_size: int = 1280
     intermediate_size: int = 5120
     num_layers: int = 32
     num_heads: int = 16
+    num_channels: int = 3
     patch_size: int = 14
     temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
+    spatial_merge_size: int = 2  # m: m×m neighbouring patches merge into one LM token
     projector_hidden_size: int = 6144
     rope_theta: float = 10000.0
     layer_norm_eps: float = 1e-5
+    image_token_id: int = 200025  # placeholder token ids whose embeddings the features replace
+    video_token_id: int = 200026
 
     def __post_init__(self):
         _require_positive_ints(self, "vision.")
@@ -85,6 +88,24 @@ class VisionConfig:
                 f"vision.hidden_size={self.hidden_size} is not a multiple of "
                 f"vision.num_heads={self.num_heads}"
             )
+        if self.head_dim < 6:
+            raise ValueError(
+                f"vision head dim {self.head_dim} (hidden_size / num_heads) must be >= 6: the 3-D "
+                "RoPE rotates 2·floor(head_dim / 6) channel pairs per axis"
+            )
+        if self.image_token_id == self.video_token_id:
+            raise ValueError(
+                f"vision.image_token_id and vision.video_token_id are both {self.image_token_id}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one row of pixel_values: C·T·P·P (1176), ordered (c, t, y, x)."""
+        return self.num_channels * self.temporal_patch_size * self.patch_size**2
 
 
 def _require_positive_ints(config, prefix: str, may_be_zero: tuple[str, ...] = ()) -> None:
@@ -136,7 +157,7 @@ class ModelConfig:
     attention_impl: str = "xla"
     msa: MSAConfig = MSAConfig()
     moe: MoEConfig = MoEConfig()
-    vision: VisionConfig | None = None
+    vision: VisionConfig | None = None  # None: a text-only model (no vision tower or projector)
 
     def __post_init__(self):
         object.__setattr__(
@@ -176,6 +197,13 @@ class ModelConfig:
                     f"msa.index_head_dim={self.msa.index_head_dim} is smaller than "
                     f"rotary_dim={self.rotary_dim}: transformers' indexer RoPE is then not a rotation"
                 )
+        if self.vision is not None:
+            for field in ("image_token_id", "video_token_id"):
+                if getattr(self.vision, field) >= self.vocab_size:
+                    raise ValueError(
+                        f"vision.{field}={getattr(self.vision, field)} is not below "
+                        f"vocab_size={self.vocab_size}"
+                    )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if self.attention_impl not in ATTENTION_IMPLS:

@@ -3,10 +3,10 @@
 A layer is pre-norm: h = x + Attn(norm_in(x)); out = h + MLP(norm_post(h)), where MLP is the MoE
 block on "sparse" layers and the dense MLP on "dense" layers (spec/m3_architecture.md §3.2).
 Consecutive layers of the same kind form a LayerStack whose parameters carry a leading "layers"
-axis and which runs under `lax.scan`, so compile time does not grow with depth (M3: 3 + 57 layers,
-two stacks).
+axis and which runs under `lax.scan` (m3jax/stacking.py), so compile time does not grow with depth
+(M3: 3 + 57 layers, two stacks).
 
-Shapes: B batch, S sequence, D model width.
+Shapes: B batch, S sequence, D model width, Hi index heads, k selected blocks / chosen experts.
 """
 
 import jax
@@ -17,11 +17,7 @@ from m3jax.config import ModelConfig
 from m3jax.mlp import MLP
 from m3jax.moe import MoE
 from m3jax.norms import RMSNorm
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+from m3jax.stacking import scan_layers, stacked_layers
 
 
 class DecoderLayer(nnx.Module):
@@ -45,7 +41,12 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
     ) -> tuple[jax.Array, dict]:
-        """x: [B, S, D] -> ([B, S, D], stats: {"moe": expert stats} and/or {"msa": indexer stats})."""
+        """x: [B, S, D] -> ([B, S, D], stats).
+
+        stats: {"moe": expert statistics} on MoE layers and {"msa": {"blocks": selected key blocks
+        [B, S, Hi, k], plus "kl" / "recall" as `mode` asks}} on MSA layers. Under jit, entries
+        nobody reads cost nothing (dead-code eliminated).
+        """
         attention_out, msa_stats = self.attention(self.input_norm(x), inputs, mode)
         h = x + attention_out
         normed = self.post_attention_norm(h)
@@ -69,28 +70,24 @@ class LayerStack(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
-        @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(config, attention_type, mlp_type, rngs=rngs)
-
-        self.layers = create(rngs)
-        for _, variable in nnx.iter_graph(self.layers):
-            if isinstance(variable, nnx.Variable):
-                axes = variable.get_metadata()["logical_axes"]
-                variable.set_metadata(logical_axes=("layers", *axes))
+        self.layers = stacked_layers(
+            lambda rngs: DecoderLayer(config, attention_type, mlp_type, rngs=rngs), num_layers, rngs
+        )
         self.remat = config.remat
-        self.kind = (attention_type, mlp_type)
 
     def __call__(
-        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
+        self,
+        x: jax.Array,
+        inputs: AttentionInputs,
+        mode: ForwardMode,
+        *,
+        output_hidden_states: bool = False,
     ) -> tuple[jax.Array, dict]:
-        """x: [B, S, D] -> ([B, S, D], stats stacked over layers)."""
-        graphdef, state = nnx.split(self.layers)
+        """x: [B, S, D] -> ([B, S, D], stats stacked over layers; with output_hidden_states also
+        "hidden": each layer's output [L, B, S, D])."""
 
-        def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, inputs, mode)
+        def step(layer: DecoderLayer, x: jax.Array) -> tuple[jax.Array, dict]:
+            y, stats = layer(x, inputs, mode)
+            return y, ({**stats, "hidden": y} if output_hidden_states else stats)
 
-        if self.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        return jax.lax.scan(body, x, state)
+        return scan_layers(self.layers, x, step, self.remat)

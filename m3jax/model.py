@@ -1,11 +1,13 @@
-"""The M3 text decoder, and the functional interface the trainer and the tests use.
+"""The M3 model, and the functional interface the trainer and the tests use.
 
-M3TextModel: embeddings (no √d scaling) -> layer stacks -> final Gemma norm -> untied lm_head
-(spec/m3_architecture.md §3). `Functional` wraps it for pure `jax.jit` code: parameters and buffers
-are plain nested dicts of arrays (what Orbax saves and optax updates), and `apply` merges them into
-the module graph inside the traced function.
+M3Model: embeddings (no √d scaling) -> layer stacks -> final Gemma norm -> untied lm_head
+(spec/m3_architecture.md §3). With `config.vision`, it also owns the vision tower and projector:
+their merged features replace the embeddings of image/video placeholder tokens (§5.3) before the
+first layer. `Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested
+dicts of arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph
+inside the traced function.
 
-Shapes: B batch, S sequence, D model width, V vocab.
+Shapes: B batch, S sequence, D model width, V vocab, P patches, M merged feature rows.
 """
 
 import dataclasses
@@ -22,7 +24,10 @@ from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStack
 from m3jax.moe import balanced_bias
 from m3jax.norms import RMSNorm
+from m3jax.projector import Projector
 from m3jax.rope import rope_tables
+from m3jax.vision import VisionTower
+from m3jax.vision_inputs import VisionInputs
 
 
 def layer_runs(config: ModelConfig) -> list[tuple[str, str, int]]:
@@ -31,7 +36,7 @@ def layer_runs(config: ModelConfig) -> list[tuple[str, str, int]]:
     return [(*kind, len(list(group))) for kind, group in itertools.groupby(kinds)]
 
 
-class M3TextModel(nnx.Module):
+class M3Model(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         dim, vocab, std = config.hidden_size, config.vocab_size, config.init_std
         self.embed = params.normal(rngs, (vocab, dim), ("vocab", "embed"), std)
@@ -40,6 +45,9 @@ class M3TextModel(nnx.Module):
         )
         self.final_norm = RMSNorm(dim, config.rms_norm_eps)
         self.lm_head = params.normal(rngs, (dim, vocab), ("embed", "vocab"), std)
+        if config.vision is not None:
+            self.vision = VisionTower(config, rngs=rngs)
+            self.projector = Projector(config, rngs=rngs)
         self.config = config
 
     def __call__(
@@ -47,26 +55,45 @@ class M3TextModel(nnx.Module):
         tokens: jax.Array,
         positions: jax.Array,
         segment_ids: jax.Array,
+        vision: VisionInputs | None = None,
         mode: ForwardMode = ForwardMode(),
+        *,
+        output_hidden_states: bool = False,
     ) -> tuple[jax.Array, list[dict]]:
-        """tokens, positions, segment_ids: [B, S] int32 (segment 0 = padding); mode: static switches.
+        """tokens, positions, segment_ids: [B, S] int32 (segment 0 = padding); vision: packed
+        patches and the placeholder -> feature-row index (m3jax/vision_inputs.py), or None;
+        mode: static switches of the MSA layers (warm-up, indexer loss, recall).
 
         Returns logits [B, S, V] fp32 and, per layer stack, stats stacked over its layers:
-        "moe" {load, score_share} [L, E] and, as `mode` asks, "msa" {kl, recall} [L].
+        "moe" {load, score_share, experts}, "msa" {blocks, and kl / recall as `mode` asks}, and
+        with output_hidden_states "hidden" (each layer's output). The embeddings after the
+        placeholder scatter are `embeddings(...)`.
         """
         config = self.config
-        x = self.embed[...][tokens].astype(config.dtype)
+        x = self.embeddings(tokens, vision)
         cos, sin = rope_tables(positions, config.rotary_dim, config.rope_theta)
         inputs = AttentionInputs(positions, segment_ids, cos, sin)
         stats = []
         for stack in self.stacks:
-            x, stack_stats = stack(x, inputs, mode)
+            x, stack_stats = stack(x, inputs, mode, output_hidden_states=output_hidden_states)
             stats.append(stack_stats)
         x = self.final_norm(x)
         logits = jnp.einsum(
             "bsd,dv->bsv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32
         )
         return logits, stats
+
+    def embeddings(self, tokens: jax.Array, vision: VisionInputs | None) -> jax.Array:
+        """First layer input [B, S, D]: token embeddings, placeholders replaced by features."""
+        x = self.embed[...][tokens].astype(self.config.dtype)
+        if vision is None:
+            return x
+        if self.config.vision is None:
+            raise ValueError("vision inputs given to a text-only model (config.vision is None)")
+        states = self.vision(vision.patches, vision.positions, vision.segment_ids)
+        features = self.projector(states).astype(x.dtype)  # [M, D]
+        index = vision.token_index
+        return jnp.where((index >= 0)[..., None], features[jnp.maximum(index, 0)], x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +107,7 @@ class Functional:
 
     def init(self, seed: int) -> tuple[dict, dict]:
         """Fresh (params, buffers). Jit it with out_shardings to create them already sharded."""
-        model = M3TextModel(self.config, rngs=nnx.Rngs(jax.random.key(seed)))
+        model = M3Model(self.config, rngs=nnx.Rngs(jax.random.key(seed)))
         _, param_state, buffer_state = nnx.split(model, nnx.Param, params.Buffer)
         return nnx.to_pure_dict(param_state), nnx.to_pure_dict(buffer_state)
 
@@ -95,11 +122,22 @@ class Functional:
         tokens: jax.Array,
         positions: jax.Array,
         segment_ids: jax.Array,
+        vision: VisionInputs | None = None,
         mode: ForwardMode = ForwardMode(),
+        *,
+        output_hidden_states: bool = False,
     ) -> tuple[jax.Array, list[dict]]:
-        """Forward pass: see M3TextModel.__call__."""
+        """Forward pass: see M3Model.__call__."""
         model = nnx.merge(self.graphdef, params, buffers)
-        return model(tokens, positions, segment_ids, mode)
+        return model(
+            tokens, positions, segment_ids, vision, mode, output_hidden_states=output_hidden_states
+        )
+
+    def embeddings(
+        self, params: dict, buffers: dict, tokens: jax.Array, vision: VisionInputs | None = None
+    ) -> jax.Array:
+        """The first layer's input [B, S, D]: see M3Model.embeddings."""
+        return nnx.merge(self.graphdef, params, buffers).embeddings(tokens, vision)
 
     def rebalanced(self, buffers: dict, stats: list[dict], rate: float) -> dict:
         """Buffers after one aux-loss-free step of every router bias, from `apply`'s expert loads."""
@@ -114,7 +152,7 @@ class Functional:
 
 def functional(config: ModelConfig) -> Functional:
     """Traces the module structure once (abstractly) and returns its functional form."""
-    model = nnx.eval_shape(lambda: M3TextModel(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: M3Model(config, rngs=nnx.Rngs(0)))
     graphdef, param_state, buffer_state = nnx.split(model, nnx.Param, params.Buffer)
     return Functional(config, graphdef, _axes(param_state), _axes(buffer_state))
 

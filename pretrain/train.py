@@ -20,23 +20,18 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from data.text_corpus import load_documents
-from data.text_loader import PackedTextLoader
-from data.tokenizer import ByteTokenizer
+from data.mm_documents import DataError
 from m3jax.config_loading import ConfigError, from_mapping, load_yaml, to_mapping
 from m3jax.model import functional
 from pretrain.checkpointing import CheckpointError, Checkpoints
-from pretrain.config import RunConfig, load_run_config
+from pretrain.config import RunConfig, RunError, load_run_config
+from pretrain.data_loading import make_loader
 from pretrain.metrics import MetricsWriter, read_metrics
 from pretrain.session import TrainingSession
 
 LOG_KEYS = (
     "loss", "nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance", "tokens_per_s"
 )  # fmt: skip
-
-
-class RunError(RuntimeError):
-    """The run cannot start as asked (incompatible run directory, unusable data source, ...)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = load_run_config(args.config, args.overrides)
         summary = train(run, run_dir)
-    except (ConfigError, CheckpointError, RunError) as e:
+    except (ConfigError, CheckpointError, RunError, DataError) as e:
         print(f"m3-train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -61,15 +56,16 @@ def main(argv: list[str] | None = None) -> int:
 def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
     """Trains until run.train.steps (or a stop signal); returns the summary it prints."""
     _check_saved_model(run_dir, run)
-    loader = _make_loader(run)
+    loader = make_loader(run)
     session = TrainingSession(
         functional(run.model), run, Checkpoints(run_dir / "checkpoints", run.checkpoint)
     )
     start = session.restore_or_init(loader)
+    resumed = session.checkpoints.latest_step() is not None  # step 0 too: m3-import writes it
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
     writer = MetricsWriter(run_dir, tensorboard=run.logging.tensorboard, resume_step=start)
     print(
-        f"m3-train: {'resuming at step ' + str(start) if start else 'starting'} in {run_dir} "
+        f"m3-train: {'resuming at step ' + str(start) if resumed else 'starting'} in {run_dir} "
         f"({session.num_params / 1e6:.2f}M params, {jax.device_count()} {jax.default_backend()} "
         f"device(s), mesh {dict(session.mesh.shape)})",
         flush=True,
@@ -85,6 +81,7 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
         session.checkpoints.wait()
         session.checkpoints.close()
     summary = _summary(run_dir, start, stopped_at, stop.signum)
+    summary["modality_tokens"] = dict(session.modality_tokens)
     _print_summary(summary)
     return summary
 
@@ -136,31 +133,11 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
 def _reduce(window: list[dict], untimed: int, seconds: float) -> dict:
     """Means of a logging window's per-step metrics; throughput over its steps after `untimed`."""
     keys = dict.fromkeys(k for m in window for k in m if k != "tokens")  # recall: some steps only
-    logged = {k: float(np.mean([m[k] for m in window if k in m])) for k in keys}
+    logged = {k: _nan_mean([float(m[k]) for m in window if k in m]) for k in keys}
     if len(window) > untimed:
         tokens = sum(int(m["tokens"]) for m in window[untimed:])
         logged["tokens_per_s"] = tokens / max(seconds, 1e-9)
     return logged
-
-
-def _make_loader(run: RunConfig) -> PackedTextLoader:
-    tokenizer = ByteTokenizer()
-    if run.model.vocab_size < tokenizer.vocab_size:
-        raise RunError(
-            f"model.vocab_size={run.model.vocab_size} is smaller than the byte "
-            f"tokenizer's {tokenizer.vocab_size} ids"
-        )
-    try:
-        documents = load_documents(run.data.source)
-        return PackedTextLoader(
-            documents,
-            tokenizer,
-            seq_len=run.data.seq_len,
-            batch_size=run.data.batch_size,
-            seed=run.data.seed,
-        )
-    except (OSError, ValueError, TypeError) as e:
-        raise RunError(f"data.source={run.data.source!r}: {e}") from None
 
 
 def _check_saved_model(run_dir: pathlib.Path, run: RunConfig) -> None:
@@ -187,9 +164,27 @@ def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
         "end_step": end,
         "first_nll": history[0]["nll"] if history else None,  # the LM loss, without KL/aux terms
         "last_nll": history[-1]["nll"] if history else None,
+        "last_nll_by_document": _last_by_document(history),
         "tokens_per_s": _mean([r["tokens_per_s"] for r in session_history if "tokens_per_s" in r]),
         "stopped_by_signal": signum,
     }
+
+
+def _last_by_document(history: list[dict]) -> dict:
+    """Multimodal runs: the last logged LM loss in text / image / video documents (not NaN)."""
+    last = {}
+    for kind in ("text", "image", "video"):
+        values = [r[f"nll_{kind}_docs"] for r in history if f"nll_{kind}_docs" in r]
+        values = [v for v in values if not np.isnan(v)]
+        if values:
+            last[kind] = values[-1]
+    return last
+
+
+def _nan_mean(values: list[float]) -> float:
+    """Mean of the non-NaN values (per-document-kind losses are NaN in batches without that kind)."""
+    finite = [v for v in values if not np.isnan(v)]
+    return float(np.mean(finite)) if finite else float("nan")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -202,6 +197,14 @@ def _print_summary(summary: dict) -> None:
     if summary["first_nll"] is not None:
         first, last = summary["first_nll"], summary["last_nll"]
         print(f"  LM loss      {first:.4f} (first logged step) -> {last:.4f} (last)")
+    if summary["modality_tokens"]:
+        counts = ", ".join(
+            f"{k.split('_')[0]} {v:,}" for k, v in summary["modality_tokens"].items()
+        )
+        print(f"  tokens       {counts} (this session)")
+    if summary["last_nll_by_document"]:
+        losses = ", ".join(f"{k} {v:.4f}" for k, v in summary["last_nll_by_document"].items())
+        print(f"  LM loss by document kind (last logged): {losses}")
     if summary["tokens_per_s"] is not None:
         print(
             f"  throughput   {summary['tokens_per_s']:,.0f} tokens/s (this session, after compilation)"

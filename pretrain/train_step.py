@@ -14,8 +14,9 @@ import optax
 
 from m3jax.attention import ForwardMode
 from m3jax.model import Functional
+from m3jax.vision_inputs import from_packed_rows
 from pretrain.config import RunConfig
-from pretrain.loss import load_balance_loss, next_token_loss
+from pretrain.loss import document_kinds, load_balance_loss, masked_mean, token_losses
 
 Batch = dict[str, jax.Array]  # tokens, targets, positions, segment_ids: [B, S] int32; loss_mask
 
@@ -41,11 +42,22 @@ def make_train_step(
     sparse_layers = [i for i, kind in enumerate(config.layer_types) if kind == "minimax_m3_sparse"]
 
     def loss_fn(params, buffers, batch, mode):
+        vision = None
+        if "patches" in batch:
+            vision = from_packed_rows(
+                batch["patches"], batch["patch_positions"], batch["patch_segment_ids"],
+                batch["feature_index"], config.vision.spatial_merge_size,
+            )  # fmt: skip
         logits, stats = model.apply(
-            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], mode
-        )
-        nll, z_loss = next_token_loss(logits, batch["targets"], batch["loss_mask"])
+            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], vision,
+            mode=mode,
+        )  # fmt: skip
+        token_nll, log_normalizer = token_losses(logits, batch["targets"])
+        nll = masked_mean(token_nll, batch["loss_mask"])
+        z_loss = masked_mean(jnp.square(log_normalizer), batch["loss_mask"])
         metrics = {"nll": nll, "z_loss": z_loss}
+        if "modality" in batch:
+            metrics.update(_modality_metrics(token_nll, batch))
         loss = nll + run.optimizer.z_loss_weight * z_loss
         moe_stats = [s["moe"] for s in stats if "moe" in s]
         if moe_stats:
@@ -86,3 +98,19 @@ def make_train_step(
         return new_state, metrics
 
     return train_step
+
+
+MODALITIES = ("text", "image", "video")  # data.mm_loader's modality codes 0, 1, 2
+
+
+def _modality_metrics(token_nll: jax.Array, batch: Batch) -> dict:
+    """Tokens per modality, and the LM loss (text targets only) split by the kind of document the
+    token belongs to: text-only, with images, with video. NaN where a batch has no such document."""
+    real = batch["segment_ids"] > 0
+    kinds = document_kinds(batch["segment_ids"], batch["modality"])
+    metrics = {}
+    for code, name in enumerate(MODALITIES):
+        metrics[f"{name}_tokens"] = ((batch["modality"] == code) & real).sum()
+        weight = batch["loss_mask"] * (kinds == code)
+        metrics[f"nll_{name}_docs"] = masked_mean(token_nll, weight, empty=jnp.nan)
+    return metrics

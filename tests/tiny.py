@@ -43,3 +43,20 @@ def _merged(base: dict, changes: dict) -> dict:
         is_section = isinstance(value, dict) and isinstance(base.get(key), dict)
         out[key] = _merged(base[key], value) if is_section else value
     return out
+
+
+# A ViT of head dim 12 (3 axes × 4 rotary channels, none unrotated) and one layer, for model tests.
+TINY_VISION = {
+    "hidden_size": 24,
+    "intermediate_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "projector_hidden_size": 16,
+    "image_token_id": 270,
+    "video_token_id": 271,
+}
+
+
+def tiny_vision_run(**sections) -> RunConfig:
+    """tiny_run with a vision tower (token ids 270/271 lie above the byte tokenizer's 263)."""
+    return tiny_run(**_merged({"model": {"vision": TINY_VISION}}, sections))

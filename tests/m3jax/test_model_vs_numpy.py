@@ -2,9 +2,9 @@
 
 Why: the spec (`spec/m3_architecture.md` §3) is what transformers computes; the NumPy reference is
 written from the spec alone, and reads weights in the upstream checkpoint layout (§7.1). Matching it
-in float32 checks the model *and* our layout, through `to_hf_weights` below, which is the same
-mapping an exporter needs. Weights are randomised (non-zero norm offsets and correction bias, MLP
-weights large enough for the swigluoai clamps to fire) so every path contributes to the logits, and
+in float32 checks the model *and* our layout, through `to_hf_weights` below, i.e. the exporter's
+own mapping (m3jax/convert/layout.py). Weights are randomised (non-zero norm offsets and correction
+bias, MLP weights large enough for the swigluoai clamps to fire) so every path contributes, and
 the reference's diagnostics prove that the paths the test names were taken (sparse selection active,
 clamps fired, bias changed routing) and that no top-k choice is close enough to a tie for float32 to
 flip it.
@@ -13,7 +13,7 @@ Also covers what the reference cannot: packed rows (a document after a block bou
 logits as alone) and the bfloat16 activation path staying close to float32.
 """
 
-import itertools
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,8 @@ import numpy_reference
 import pytest
 
 from m3jax.config import ModelConfig, MoEConfig, MSAConfig
+from m3jax.convert import hf_config
+from m3jax.convert.layout import tensor_specs, to_upstream
 from m3jax.model import functional
 
 SPARSE, FULL = "minimax_m3_sparse", "full_attention"
@@ -64,106 +66,20 @@ def tiny_config(layers, *, block_size, topk_blocks, local_blocks, dtype="float32
 
 
 def to_hf_config(config: ModelConfig) -> dict:
-    """ModelConfig -> transformers `MiniMaxM3VLTextConfig` field names (spec §2.1).
-
-    rotary_dim is written as partial_rotary_factor: transformers ignores rotary_dim (spec §0.2).
-    """
-    return {
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.moe.expert_dim,
-        "dense_intermediate_size": config.dense_mlp_dim,
-        "shared_intermediate_size": config.moe.shared_expert_dim,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "partial_rotary_factor": config.rotary_dim / config.head_dim,
-        "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": False,
-        "layer_types": list(config.layer_types),
-        "mlp_layer_types": list(config.mlp_layer_types),
-        "index_n_heads": config.msa.index_heads,
-        "index_head_dim": config.msa.index_head_dim,
-        "index_block_size": config.msa.block_size,
-        "index_topk_blocks": config.msa.topk_blocks,
-        "index_local_blocks": config.msa.local_blocks,
-        "num_local_experts": config.moe.num_experts,
-        "num_experts_per_tok": config.moe.experts_per_token,
-        "routed_scaling_factor": config.moe.routed_scaling,
-        "swiglu_alpha": config.swiglu_alpha,
-        "swiglu_limit": config.swiglu_limit,
-    }
-
-
-def _linear(w: np.ndarray) -> np.ndarray:
-    """Our [in, out...] -> torch Linear [out, in], output axes flattened (head-major, as `view`)."""
-    return w.reshape(w.shape[0], -1).T
-
-
-def _layer_to_hf(layer: dict, buffers: dict | None, prefix: str) -> dict[str, np.ndarray]:
-    attention, out = layer["attention"], {}
-    a = prefix + "self_attn."
-    out[prefix + "input_layernorm.weight"] = layer["input_norm"]["scale"]
-    out[prefix + "post_attention_layernorm.weight"] = layer["post_attention_norm"]["scale"]
-    out[a + "q_proj.weight"] = _linear(attention["q_proj"])  # [D, H, Dh] -> [H·Dh, D]
-    out[a + "k_proj.weight"] = _linear(attention["k_proj"])
-    out[a + "v_proj.weight"] = _linear(attention["v_proj"])
-    heads, head_dim, dim = attention["o_proj"].shape
-    out[a + "o_proj.weight"] = attention["o_proj"].reshape(heads * head_dim, dim).T  # [D, H·Dh]
-    out[a + "q_norm.weight"] = attention["q_norm"]["scale"]
-    out[a + "k_norm.weight"] = attention["k_norm"]["scale"]
-    if "indexer" in attention:
-        indexer = attention["indexer"]
-        out[a + "index_q_proj.weight"] = _linear(indexer["q_proj"])  # [D, Hi, Di] -> [Hi·Di, D]
-        out[a + "index_k_proj.weight"] = _linear(indexer["k_proj"])  # [D, Di] -> [Di, D]
-        out[a + "index_q_norm.weight"] = indexer["q_norm"]["scale"]
-        out[a + "index_k_norm.weight"] = indexer["k_norm"]["scale"]
-    mlp = layer["mlp"]
-    if "router" in mlp:
-        m = prefix + "block_sparse_moe."
-        out[m + "gate.weight"] = mlp["router"].T  # [D, E] -> [E, D]
-        out[m + "e_score_correction_bias"] = buffers["correction_bias"]
-        for e in range(mlp["router"].shape[1]):
-            out[f"{m}experts.{e}.w1.weight"] = mlp["gate_proj"][e].T  # [D, F] -> [F, D]
-            out[f"{m}experts.{e}.w3.weight"] = mlp["up_proj"][e].T
-            out[f"{m}experts.{e}.w2.weight"] = mlp["down_proj"][e].T  # [F, D] -> [D, F]
-        mlp, mlp_prefix = mlp["shared_expert"], m + "shared_experts."
-    else:
-        mlp_prefix = prefix + "mlp."
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        out[f"{mlp_prefix}{name}.weight"] = mlp[name].T
-    return out
+    """ModelConfig -> the text config the exporter writes (transformers field names, spec §2.1),
+    with rotary_dim also as partial_rotary_factor (transformers ignores rotary_dim, spec §0.2)."""
+    return hf_config.to_hf_config(config)["text_config"]
 
 
 def to_hf_weights(config: ModelConfig, params: dict, buffers: dict) -> dict[str, np.ndarray]:
-    """Our params/buffers -> upstream checkpoint names and layouts (spec §7.1), float32 NumPy.
-
-    Stacks hold runs of consecutive layers of one (attention, mlp) kind, in layer order, with a
-    leading layer axis; they are unstacked here into transformers' global layer indices.
-    """
-    params = jax.tree.map(np.asarray, params)
-    buffers = jax.tree.map(np.asarray, buffers)
-    kinds = zip(config.layer_types, config.mlp_layer_types)
-    runs = [(kind, len(list(group))) for kind, group in itertools.groupby(kinds)]
-    assert sorted(params["stacks"]) == list(range(len(runs)))
-    p = numpy_reference.PREFIX
-    out = {
-        p + "embed_tokens.weight": params["embed"],  # [V, D] in both layouts
-        p + "norm.weight": params["final_norm"]["scale"],
-        "language_model.lm_head.weight": params["lm_head"].T,  # [D, V] -> [V, D]
-    }
-    layer = 0
-    for s, ((attention_type, mlp_type), count) in enumerate(runs):
-        stack = params["stacks"][s]["layers"]
-        stack_buffers = buffers.get("stacks", {}).get(s, {}).get("layers", {}).get("mlp")
-        assert ("indexer" in stack["attention"]) == (attention_type == SPARSE), (s, attention_type)
-        assert ("router" in stack["mlp"]) == (mlp_type == "sparse"), (s, mlp_type)
-        for i in range(count):
-            layer_params, layer_buffers = jax.tree.map(lambda a, i=i: a[i], (stack, stack_buffers))
-            out.update(_layer_to_hf(layer_params, layer_buffers, f"{p}layers.{layer}."))
-            layer += 1
+    """Our params/buffers -> upstream checkpoint names and layouts (spec §7.1), float32 NumPy,
+    through the exporter's own mapping (m3jax/convert/layout.py): stacks are unstacked into
+    transformers' global layer indices, experts into one tensor each."""
+    tree = {"params": params, "buffers": buffers}
+    out = {}
+    for spec in tensor_specs(config):
+        leaf = functools.reduce(lambda node, key: node[key], spec.leaf, tree)
+        out[spec.name] = to_upstream(spec, np.asarray(leaf[spec.index]))
     return out
 
 

@@ -25,16 +25,24 @@ def test_param_count_m3_matches_hand_formula():
     routed = experts * 3 * d * expert_dim
     moe = d * experts + routed + 3 * d * shared_dim  # router, experts, shared expert
     layer_norms = 2 * d
+    # Vision tower (§4, §7.1): patch embedding, pre-LN, 32 layers; projector and 2x2 merge MLP.
+    dv, iv, pj, vision_layers, patch = 1280, 5120, 6144, 32, 3 * 2 * 14 * 14
+    vision_layer = 4 * (dv * dv + dv) + 2 * 2 * dv + (dv * iv + iv) + (iv * dv + dv)
+    projector = (dv * pj + pj) + (pj * d + d) + (4 * d * pj + pj) + (pj * d + d)
+    vision = dv * patch + 2 * dv + vision_layers * vision_layer + projector
     total = (
         2 * vocab * d  # embeddings and untied lm_head
         + d  # final norm
         + n_dense * (attention + dense_mlp + layer_norms)
         + n_sparse * (attention + indexer + moe + layer_norms)
+        + vision
     )
     active = total - n_sparse * routed + n_sparse * routed * k // experts
 
     count = count_params(functional(config))
     assert count.total == total
     assert count.active == active
-    # The published "≈400B total, ≈20B active" class: our exact figures are 426.2B and 26.0B.
+    # The published "≈400B total, ≈20B active" class: our exact figures are 427.0B and 26.8B
+    # (0.87B of both is the vision tower and projector, counted as active).
+    assert vision == 865_567_232
     assert 4.2e11 < count.total < 4.3e11 and 2.5e10 < count.active < 2.7e10

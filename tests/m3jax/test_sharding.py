@@ -11,7 +11,7 @@ from data.tokenizer import ByteTokenizer
 from m3jax import sharding
 from m3jax.model import functional
 from pretrain.session import TrainingSession
-from tiny import tiny_run
+from tiny import tiny_run, tiny_vision_run
 
 
 def test_make_mesh_fills_the_minus_one_axis():
@@ -54,8 +54,9 @@ def test_partition_spec_never_uses_a_mesh_axis_twice():
     assert sharding.partition_spec(("heads", "mlp"), (8, 8), mesh) == PartitionSpec("tensor", None)
 
 
-def test_every_param_of_the_model_has_a_rule():
-    model = functional(tiny_run().model)
+@pytest.mark.parametrize("run", [tiny_run(), tiny_vision_run()], ids=["text", "vision"])
+def test_every_param_of_the_model_has_a_rule(run):
+    model = functional(run.model)
     mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 2})
     shapes, buffers = model.shapes()
     shardings = sharding.tree_shardings(model.param_axes, shapes, mesh)
@@ -72,7 +73,9 @@ def losses_on_mesh(mesh: dict, steps: int = 3) -> list[float]:
     session.initialize()
     documents = load_documents("shakespeare")[:20]
     loader = PackedTextLoader(documents, ByteTokenizer(), seq_len=32, batch_size=4, seed=0)
-    return [float(session.step(next(loader), session.forward_mode(i + 1))["loss"]) for i in range(steps)]
+    return [
+        float(session.step(next(loader), session.forward_mode(i + 1))["loss"]) for i in range(steps)
+    ]
 
 
 @pytest.mark.slow

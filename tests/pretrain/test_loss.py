@@ -4,14 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pretrain.loss import load_balance_loss, next_token_loss
+from pretrain.loss import document_kinds, load_balance_loss, masked_mean, token_losses
 
 
 def test_next_token_loss_matches_log_softmax_and_ignores_masked_positions():
     logits = jax.random.normal(jax.random.key(0), (2, 5, 7)) * 3
     targets = jax.random.randint(jax.random.key(1), (2, 5), 0, 7)
     mask = jnp.array([[1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], jnp.float32)
-    nll, z_loss = next_token_loss(logits, targets, mask)
+    token_nll, lse = token_losses(logits, targets)
+    nll, z_loss = masked_mean(token_nll, mask), masked_mean(lse**2, mask)
     log_probs = np.asarray(jax.nn.log_softmax(logits))
     picked = [-log_probs[b, s, targets[b, s]] for b in range(2) for s in range(5) if mask[b, s]]
     np.testing.assert_allclose(nll, np.mean(picked), rtol=1e-6)
@@ -22,15 +23,22 @@ def test_next_token_loss_matches_log_softmax_and_ignores_masked_positions():
         rtol=1e-6,
     )
     # changing a masked position's logits changes nothing
-    nll2, _ = next_token_loss(logits.at[0, 2].add(100.0), targets, mask)
+    nll2 = masked_mean(token_losses(logits.at[0, 2].add(100.0), targets)[0], mask)
     assert nll2 == nll
 
 
-def test_next_token_loss_with_empty_mask_is_zero_not_nan():
-    nll, z_loss = next_token_loss(
-        jnp.ones((1, 3, 4)), jnp.zeros((1, 3), jnp.int32), jnp.zeros((1, 3))
-    )
-    assert nll == 0 and z_loss == 0
+def test_masked_mean_of_an_empty_mask_is_the_given_value_not_nan():
+    values = jnp.arange(6.0).reshape(2, 3)
+    assert masked_mean(values, jnp.zeros((2, 3))) == 0
+    assert jnp.isnan(masked_mean(values, jnp.zeros((2, 3)), empty=jnp.nan))
+    np.testing.assert_allclose(masked_mean(values, jnp.array([[0, 1, 0], [0, 0, 3]])), (1 + 15) / 4)
+
+
+def test_document_kinds_tags_every_token_with_its_documents_richest_modality():
+    segment_ids = jnp.array([[1, 1, 1, 2, 2, 3, 3, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
+    modality = jnp.array([[0, 1, 0, 0, 0, 2, 1, 0], [0, 0, 0, 0, 0, 2, 0, 0]])
+    expected = [[1, 1, 1, 0, 0, 2, 2, 0], [0, 0, 0, 0, 2, 2, 2, 2]]
+    np.testing.assert_array_equal(document_kinds(segment_ids, modality), expected)
 
 
 def test_load_balance_loss_is_one_when_balanced_and_larger_when_not():

@@ -30,7 +30,7 @@ def test_indexer_kl_gradient_reaches_only_the_indexer():
 
     def total_kl(params):
         _, stats = model.apply(
-            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], TRAIN
+            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], mode=TRAIN
         )
         return sum(s["msa"]["kl"].sum() for s in stats if "msa" in s)
 
@@ -77,9 +77,9 @@ def test_dense_warmup_attends_to_every_causal_block():
     params, buffers = functional(run.model).init(0)
     batch = make_batch()
     args = (params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"])
-    warmup, _ = functional(run.model).apply(*args, ForwardMode(msa_dense=True))
-    sparse, _ = functional(run.model).apply(*args, ForwardMode())
-    dense, _ = functional(everything).apply(*args, ForwardMode())
+    warmup, _ = functional(run.model).apply(*args, mode=ForwardMode(msa_dense=True))
+    sparse, _ = functional(run.model).apply(*args, mode=ForwardMode())
+    dense, _ = functional(everything).apply(*args, mode=ForwardMode())
     np.testing.assert_allclose(warmup, dense, atol=1e-5)
     assert float(jnp.abs(warmup - sparse).max()) > 1e-3  # seq 32 > 2 blocks · 4: selection matters
 

@@ -1,0 +1,233 @@
+"""`load_pretrained` / `save_pretrained`: m3jax weights <-> a MiniMax-M3-VL checkpoint directory.
+
+A checkpoint directory holds config.json and safetensors in the upstream layout (spec §7.1, what
+transformers' save_pretrained writes) or in transformers' in-memory layout (§7.2), sharded with
+`model.safetensors.index.json`. m3jax's weights are `{"params": ..., "buffers": ...}`: the two
+nested dicts `functional(config).init` returns, i.e. the same two keys as a train state (the
+buffers hold the routers' correction biases, `e_score_correction_bias` upstream).
+
+The pieces below `save_pretrained` stream: a tensor is read from its source just before it is
+written, so the CLIs in pretrain/ convert checkpoints larger than host memory.
+"""
+
+import json
+import os
+import pathlib
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.config import ModelConfig
+from m3jax.config_loading import ConfigError
+from m3jax.convert.hf_config import from_hf_config, to_hf_config
+from m3jax.convert.layout import (
+    LeafPath,
+    TensorSpec,
+    from_upstream,
+    leaf_shapes,
+    nested,
+    tensor_specs,
+    to_upstream,
+)
+from m3jax.convert.memory_layout import UpstreamView, is_memory_layout
+from m3jax.convert.safetensors_io import (
+    DTYPES,
+    INDEX_FILE,
+    SafetensorsDirectory,
+    parse_size,
+    write_sharded,
+)
+
+CONFIG_FILE = "config.json"
+EXPORT_DTYPES = {"float32": DTYPES["F32"], "bfloat16": DTYPES["BF16"]}
+MTP = re.compile(r"(^|\.)mtp\.")  # multi-token-prediction weights: transformers ignores them too
+
+
+class TensorSource(Protocol):
+    """Tensors by upstream name: a SafetensorsDirectory, or an UpstreamView of the in-memory
+    layout. `read` may return a memory map; `origin` says where a tensor lives, for errors."""
+
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def read(self, name: str) -> np.ndarray: ...
+    def origin(self, name: str) -> str: ...
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint directory does not match the model its config describes; names the tensor."""
+
+
+def load_pretrained(path: str | os.PathLike, *, strict: bool = True) -> tuple[ModelConfig, dict]:
+    """Reads a checkpoint directory -> (config, {"params": ..., "buffers": ...}) as jax arrays.
+
+    strict=False lets `mtp.*` tensors (multi-token prediction, not part of m3jax) pass with a
+    warning; any other unexpected, missing or misshapen tensor raises CheckpointFormatError.
+    """
+    config, source = open_checkpoint(path)
+    specs = tensor_specs(config)
+    check_tensors(specs, source, strict=strict)
+    leaves = {}
+    for leaf, shape in leaf_shapes(config).items():
+        array = np.empty(shape, np.float32)
+        for index, block in leaf_blocks([s for s in specs if s.leaf == leaf], source):
+            array[index] = block
+        leaves[leaf] = jnp.asarray(array)
+    return config, nested(leaves)
+
+
+def save_pretrained(
+    config: ModelConfig,
+    weights: dict,
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    shard_size: str | int = "5GB",
+    overwrite: bool = False,
+) -> None:
+    """Writes config.json + sharded safetensors in the upstream layout that transformers loads.
+
+    weights: {"params": ..., "buffers": ...} of `functional(config)`. dtype: "float32" or
+    "bfloat16". A non-empty `path` is refused unless overwrite (which replaces only checkpoint
+    files).
+    """
+    expected = leaf_shapes(config)
+    flat = {leaf: array for leaf, array in _flatten(weights)}
+    if set(flat) != set(expected):
+        raise ValueError(
+            "weights do not match the config: "
+            f"missing {sorted(map(str, set(expected) - set(flat)))}, "
+            f"unexpected {sorted(map(str, set(flat) - set(expected)))}"
+        )
+    for leaf, shape in expected.items():
+        if tuple(flat[leaf].shape) != shape:
+            raise ValueError(
+                f"weights{list(leaf)} has shape {flat[leaf].shape}, config needs {shape}"
+            )
+    directory = prepare_output(path, overwrite=overwrite)
+    write_checkpoint(
+        directory,
+        config,
+        lambda leaf, index: np.asarray(flat[leaf][index]),
+        dtype=dtype,
+        shard_size=shard_size,
+    )
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]:
+    """(config, tensor source read through upstream names) of a checkpoint directory."""
+    directory = pathlib.Path(path)
+    config_path = directory / CONFIG_FILE
+    try:
+        data = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{config_path}: not found (is {directory} a checkpoint directory?)")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_path}: cannot read ({e})") from None
+    config = from_hf_config(data, where=str(config_path))
+    source = SafetensorsDirectory(directory)
+    if is_memory_layout(source.names()):
+        source = UpstreamView(source)
+    return config, source
+
+
+def check_tensors(specs: list[TensorSpec], source: TensorSource, *, strict: bool) -> None:
+    """Every expected tensor present with its shape; nothing unexpected (mtp.* if not strict)."""
+    expected = {spec.name: spec for spec in specs}
+    names = set(source.names())
+    if missing := sorted(set(expected) - names):
+        raise CheckpointFormatError(
+            f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:5]}"
+        )
+    unexpected = sorted(names - set(expected))
+    mtp = [name for name in unexpected if MTP.search(name)]
+    if other := [name for name in unexpected if not MTP.search(name)]:
+        raise CheckpointFormatError(
+            f"{len(other)} unexpected tensor(s) in the checkpoint, e.g. "
+            + ", ".join(f"{name} in {source.origin(name)}" for name in other[:5])
+        )
+    if mtp:
+        message = (
+            f"{len(mtp)} multi-token-prediction tensor(s) (mtp.*, e.g. {mtp[0]}) that m3jax "
+            "does not implement"
+        )
+        if strict:
+            raise CheckpointFormatError(message + "; pass strict=False (--no-strict) to skip them")
+        warnings.warn("skipping " + message, stacklevel=2)
+    for name, spec in expected.items():
+        if tuple(source.shape(name)) != spec.shape:
+            raise CheckpointFormatError(
+                f"{name} in {source.origin(name)} has shape {list(source.shape(name))}, the config "
+                f"needs {list(spec.shape)}"
+            )
+
+
+def leaf_blocks(
+    specs: list[TensorSpec], source: TensorSource
+) -> Iterator[tuple[tuple, np.ndarray]]:
+    """(index into the leaf, float32 value) for each upstream tensor of one leaf, read lazily."""
+    for spec in specs:
+        yield spec.index, from_upstream(spec, np.asarray(source.read(spec.name), np.float32))
+
+
+def prepare_output(path: str | os.PathLike, *, overwrite: bool) -> pathlib.Path:
+    """Creates the export directory; a non-empty one is refused unless overwrite, which removes
+    only an earlier checkpoint's files (config.json, index, model*.safetensors)."""
+    directory = pathlib.Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"{directory} exists and is not a directory")
+    if directory.exists() and any(directory.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"{directory} is not empty; pass overwrite (--overwrite) to replace it"
+            )
+        for old in [
+            directory / CONFIG_FILE,
+            directory / INDEX_FILE,
+            *directory.glob("model*.safetensors"),
+        ]:
+            old.unlink(missing_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def write_checkpoint(
+    directory: pathlib.Path,
+    config: ModelConfig,
+    read_slice: Callable[[LeafPath, tuple], np.ndarray],
+    *,
+    dtype: str,
+    shard_size: str | int,
+    on_tensor: Callable[[str], None] = lambda name: None,
+) -> None:
+    """Writes the safetensors shards (each tensor = to_upstream(read_slice(leaf, index))), the
+    index and config.json. read_slice is called once per upstream tensor, in writing order."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}")
+    specs = {spec.name: spec for spec in tensor_specs(config)}
+
+    def produce(name: str) -> np.ndarray:
+        spec = specs[name]
+        return to_upstream(spec, np.asarray(read_slice(spec.leaf, spec.index), np.float32))
+
+    write_sharded(
+        directory,
+        [(name, spec.shape) for name, spec in specs.items()],
+        produce,
+        dtype=EXPORT_DTYPES[dtype],
+        shard_size=parse_size(shard_size),
+        on_tensor=on_tensor,
+    )
+    config_json = json.dumps(to_hf_config(config, dtype=dtype), indent=2)
+    (directory / CONFIG_FILE).write_text(config_json + "\n")
+
+
+def _flatten(tree: dict) -> list[tuple[LeafPath, object]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [
+        (tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path), x) for path, x in flat
+    ]

@@ -1,0 +1,57 @@
+"""Stacked copies of one layer: created under `nnx.vmap`, applied in order under `lax.scan`.
+
+The text decoder (runs of identical decoder layers) and the ViT (identical encoder layers) both use
+this, so compile time does not grow with depth. Every parameter of a stacked layer gets a leading
+"layers" logical axis.
+
+Shapes: L layers.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def stacked_layers(
+    make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs
+) -> nnx.Module:
+    """`num_layers` independent initialisations of `make_layer`, parameters stacked on axis 0."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs: nnx.Rngs) -> nnx.Module:
+        return make_layer(rngs)
+
+    layers = create(rngs)
+    for _, variable in nnx.iter_graph(layers):
+        if isinstance(variable, nnx.Variable):
+            axes = variable.get_metadata()["logical_axes"]
+            variable.set_metadata(logical_axes=("layers", *axes))
+    return layers
+
+
+def scan_layers(
+    layers: nnx.Module,
+    x: jax.Array,
+    step: Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]],
+    remat: str,
+) -> tuple[jax.Array, Any]:
+    """Runs `step(layer, x) -> (x, per-layer output)` over the stack; outputs stacked over layers.
+
+    remat: "none" | "full" | "save_dots" (what the backward pass recomputes per layer).
+    """
+    graphdef, state = nnx.split(layers)
+
+    def body(x, layer_state):
+        return step(nnx.merge(graphdef, layer_state), x)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, x, state)

@@ -1,0 +1,158 @@
+"""Host-side (NumPy) preparation of vision inputs: transformers' arguments -> static-shape arrays.
+
+transformers' MiniMax-M3-VL takes `pixel_values` [N, C·T·P·P] with `image_grid_thw` [n, 3] (and the
+same for videos, one grid row per chunk of at most 4 temporal patches). The jit-able model core
+instead takes `VisionInputs`: all patches of a batch packed into a fixed patch budget, each patch's
+(t, h, w) ViT position and segment id (one id per grid row; 0 = padding), and for every token the
+row of the merged feature matrix that replaces its embedding (-1 = text token). Feature rows are
+all images' in `image_grid_thw` order, then all videos'; placeholders are filled batch-major, in
+order, as transformers' masked_scatter does (spec §5.3).
+
+Shapes: B batch, S sequence, P patch budget, N patches given, n grid rows, m spatial merge size.
+"""
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.config import VisionConfig
+
+
+class VisionInputs(NamedTuple):
+    """What the model core needs for vision; a pytree of arrays, so it passes through jit."""
+
+    patches: np.ndarray  # [P, C·T·P·P] float32 pixel rows, zero rows for padding
+    positions: np.ndarray  # [P, 3] int32 (t, h, w) inside the patch's grid row
+    segment_ids: np.ndarray  # [P] int32: 1.. per grid row, 0 = padding
+    token_index: np.ndarray  # [B, S] int32: merged feature row per placeholder token, -1 = text
+
+
+def grid_positions(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
+    """(t, h, w) of every patch of every grid row, in the processor's block-major order (spec §4.3):
+    for t, for m×m window row, for window column, for row in window, for column in window.
+
+    grid_thw: [n, 3] -> [sum(t·h·w), 3] int32; temporal ids restart at 0 for each grid row.
+    """
+    rows = []
+    for t, h, w in np.asarray(grid_thw).tolist():
+        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        windows = (h // merge_size, merge_size, w // merge_size, merge_size)
+        hh = hh.reshape(windows).transpose(0, 2, 1, 3).reshape(-1)
+        ww = ww.reshape(windows).transpose(0, 2, 1, 3).reshape(-1)
+        tt = np.repeat(np.arange(t), h * w)
+        rows.append(np.stack([tt, np.tile(hh, t), np.tile(ww, t)], axis=-1))
+    return np.concatenate(rows).astype(np.int32) if rows else np.zeros((0, 3), np.int32)
+
+
+def pack_vision_inputs(
+    input_ids: np.ndarray,
+    vision: VisionConfig,
+    *,
+    pixel_values: np.ndarray | None = None,
+    image_grid_thw: np.ndarray | None = None,
+    pixel_values_videos: np.ndarray | None = None,
+    video_grid_thw: np.ndarray | None = None,
+    patch_budget: int | None = None,
+) -> VisionInputs | None:
+    """transformers-named inputs -> VisionInputs, or None when there is no image and no video.
+
+    patch_budget: pad the patches to this many rows (a multiple of m²; default: no padding).
+    Raises ValueError naming the argument when shapes, grids or placeholder counts disagree.
+    """
+    input_ids = np.asarray(input_ids)
+    media = [
+        _checked_media(kind, pixels, grid, vision)
+        for kind, pixels, grid in (
+            ("image", pixel_values, image_grid_thw),
+            ("video", pixel_values_videos, video_grid_thw),
+        )
+    ]
+    window = vision.spatial_merge_size**2
+    token_index = np.full(input_ids.shape, -1, np.int32)
+    first_row = 0
+    for (kind, _, grid), token_id in zip(media, (vision.image_token_id, vision.video_token_id)):
+        placeholders = input_ids == token_id
+        num_features = int(np.prod(grid, axis=-1).sum()) // window
+        if placeholders.sum() != num_features:
+            raise ValueError(
+                f"input_ids has {placeholders.sum()} {kind} placeholder tokens (id {token_id}) "
+                f"but {kind}_grid_thw gives {num_features} {kind} feature rows "
+                f"(t·h·w / {window} per grid row)"
+            )
+        token_index[placeholders] = first_row + np.arange(num_features, dtype=np.int32)
+        first_row += num_features
+    if first_row == 0:
+        return None
+    grids = np.concatenate([grid for _, _, grid in media])
+    patches = np.concatenate([pixels for _, pixels, _ in media]).astype(np.float32)
+    lengths = np.prod(grids, axis=-1)
+    segment_ids = np.repeat(np.arange(1, len(grids) + 1, dtype=np.int32), lengths)
+    positions = grid_positions(grids, vision.spatial_merge_size)
+    budget = len(patches) if patch_budget is None else patch_budget
+    if budget < len(patches) or budget % window:
+        raise ValueError(
+            f"patch_budget={patch_budget} must be a multiple of {window} and at least the "
+            f"{len(patches)} patches given"
+        )
+    pad = budget - len(patches)
+    return VisionInputs(
+        patches=np.pad(patches, ((0, pad), (0, 0))),
+        positions=np.pad(positions, ((0, pad), (0, 0))),
+        segment_ids=np.pad(segment_ids, (0, pad)),
+        token_index=token_index,
+    )
+
+
+def _checked_media(kind: str, pixels, grid, vision: VisionConfig):
+    """(kind, pixels [N, C·T·P·P], grid [n, 3]) with shapes checked; empty arrays when absent."""
+    prefix = "pixel_values" if kind == "image" else "pixel_values_videos"
+    if (pixels is None) != (grid is None):
+        given, missing = (
+            (prefix, f"{kind}_grid_thw") if grid is None else (f"{kind}_grid_thw", prefix)
+        )
+        raise ValueError(f"{given} was given without {missing}")
+    if pixels is None:
+        return kind, np.zeros((0, vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)
+    grid, pixels = np.asarray(grid), np.asarray(pixels)
+    if grid.ndim != 2 or grid.shape[1] != 3 or (grid < 1).any():
+        raise ValueError(f"{kind}_grid_thw must be [n, 3] positive (t, h, w), got {grid.tolist()}")
+    merge = vision.spatial_merge_size
+    for row, (t, h, w) in enumerate(grid.tolist()):
+        if h % merge or w % merge:
+            raise ValueError(
+                f"{kind}_grid_thw[{row}] = {[t, h, w]}: h and w must be multiples of "
+                f"spatial_merge_size={merge}"
+            )
+    expected = (int(np.prod(grid, axis=-1).sum()), vision.patch_dim)
+    if pixels.shape != expected:
+        raise ValueError(
+            f"{prefix} has shape {list(pixels.shape)}, but {kind}_grid_thw needs {list(expected)} "
+            f"(sum of t·h·w rows of C·T·P·P = {vision.patch_dim} values)"
+        )
+    return kind, pixels, grid
+
+
+def from_packed_rows(
+    patches, patch_positions, patch_segment_ids, feature_index, merge_size: int
+) -> VisionInputs:
+    """Training rows (each with its own patch budget) -> one VisionInputs for the whole batch.
+
+    patches [B, P, C·T·P·P], patch_positions [B, P, 3], patch_segment_ids [B, P] (1.. per image or
+    video chunk within the row, 0 = padding) and feature_index [B, S] (the row's merged feature row
+    per placeholder, -1 = text), as data.mm_loader produces them. Rows are concatenated; segment ids
+    and feature rows are offset so they stay unique across rows. Works on NumPy or traced arrays.
+    """
+    batch, budget = patch_segment_ids.shape
+    window = merge_size**2
+    if budget % window:
+        raise ValueError(f"the patch budget {budget} must be a multiple of {window} (m²)")
+    rows = jnp.arange(batch)[:, None]
+    segment_ids = jnp.where(patch_segment_ids > 0, patch_segment_ids + rows * budget, 0)
+    token_index = jnp.where(feature_index >= 0, feature_index + rows * (budget // window), -1)
+    return VisionInputs(
+        patches=patches.reshape(batch * budget, -1),
+        positions=patch_positions.reshape(batch * budget, 3),
+        segment_ids=segment_ids.reshape(-1),
+        token_index=token_index,
+    )

@@ -1,0 +1,106 @@
+"""`m3-export`: an m3-train checkpoint -> a MiniMax-M3-VL checkpoint transformers loads.
+
+    m3-export --run runs/exp1 [--step N] --output out/exp1-hf [--dtype bfloat16|float32]
+              [--overwrite] [--shard-size 5GB]
+
+Reads RUN/config.yaml and RUN/checkpoints/<step>/state (the latest step by default) and writes
+config.json + model-0000i-of-0000n.safetensors + model.safetensors.index.json in MiniMax's upstream
+layout (spec §7.1). Tensors stream one at a time from the Orbax arrays to the shard being written,
+so host memory stays near one shard whatever the model size. Optimizer state is not exported. Bad
+input stops with one line on stderr and exit code 2.
+"""
+
+import argparse
+import pathlib
+import sys
+
+from tqdm import tqdm
+
+from m3jax.config_loading import ConfigError, from_mapping, load_yaml
+from m3jax.convert.layout import leaf_shapes, tensor_specs
+from m3jax.convert.pretrained import EXPORT_DTYPES, prepare_output, write_checkpoint
+from m3jax.convert.safetensors_io import parse_size
+from pretrain.checkpoint_arrays import open_leaves
+from pretrain.checkpointing import CheckpointError, Checkpoints
+from pretrain.config import CheckpointConfig, RunConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="m3-export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, type=pathlib.Path, help="m3-train run directory")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.add_argument("--output", required=True, type=pathlib.Path, help="directory to write")
+    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="float32",
+                        help="float32 (default: exact) or bfloat16 (half the size)")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    parser.add_argument("--shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB")
+    args = parser.parse_args(argv)
+    try:
+        parse_size(args.shard_size)
+        export(args.run, args.output, step=args.step, dtype=args.dtype,
+               shard_size=args.shard_size, overwrite=args.overwrite)  # fmt: skip
+    except (ConfigError, CheckpointError, OSError, ValueError) as e:
+        print(f"m3-export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def export(
+    run_dir: pathlib.Path,
+    output: pathlib.Path,
+    *,
+    step: int | None,
+    dtype: str,
+    shard_size: str,
+    overwrite: bool,
+) -> int:
+    """Writes the checkpoint of `step` (None: the latest) to `output`; returns the step."""
+    config_path = run_dir / "config.yaml"
+    if not config_path.exists():
+        raise CheckpointError(f"{config_path}: not found (is {run_dir} an m3-train run?)")
+    model = from_mapping(RunConfig, load_yaml(config_path), where=str(config_path)).model
+    step = _checkpoint_step(run_dir / "checkpoints", step)
+    state_dir = run_dir / "checkpoints" / str(step) / "state"
+    try:
+        arrays = open_leaves(state_dir)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{state_dir}: cannot open checkpoint ({e})") from None
+    for leaf, shape in leaf_shapes(model).items():
+        keys = tuple(map(str, leaf))
+        if keys not in arrays or tuple(arrays[keys].shape) != shape:
+            found = tuple(arrays[keys].shape) if keys in arrays else "nothing"
+            raise CheckpointError(
+                f"{state_dir}: {'.'.join(keys)} should have shape {shape} for the model in "
+                f"{config_path}, found {found}"
+            )
+    directory = prepare_output(output, overwrite=overwrite)
+    with tqdm(total=len(tensor_specs(model)), desc="m3-export", unit="tensor") as bar:
+        write_checkpoint(
+            directory,
+            model,
+            lambda leaf, index: arrays[tuple(map(str, leaf))][index].read().result(),
+            dtype=dtype,
+            shard_size=shard_size,
+            on_tensor=lambda name: bar.update(1),
+        )
+    print(f"m3-export: step {step} of {run_dir} -> {directory} ({dtype})")
+    return step
+
+
+def _checkpoint_step(directory: pathlib.Path, step: int | None) -> int:
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no checkpoints directory")
+    checkpoints = Checkpoints(directory, CheckpointConfig(async_save=False))
+    steps = checkpoints.all_steps()
+    checkpoints.close()
+    if not steps:
+        raise CheckpointError(f"{directory}: holds no finished checkpoint")
+    if step is None:
+        return max(steps)
+    if step not in steps:
+        raise CheckpointError(f"{directory}: no checkpoint for step {step} (have {sorted(steps)})")
+    return step
+
+
+if __name__ == "__main__":
+    sys.exit(main())

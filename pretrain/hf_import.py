@@ -1,0 +1,179 @@
+"""`m3-import`: a MiniMax-M3-VL checkpoint -> an m3-train run directory that resumes from it.
+
+    m3-import --hf MiniMax-M3/ --output runs/m3-continued [--config run.yaml] [--no-strict]
+    m3-train --config runs/m3-continued/config.yaml --run-dir runs/m3-continued
+
+Reads config.json and the safetensors (upstream layout, or transformers' in-memory layout) and
+writes RUN/config.yaml and RUN/checkpoints/0/{state, data}: the full train state m3-train builds
+(step 0, the imported params and router biases, fresh optimizer moments) and the data position of a
+fresh loader. The model section comes from config.json; every other section (data, optimizer,
+train, mesh, checkpoint, logging) from --config, or the RunConfig defaults without it. A model
+section in --config may set training-only fields (dtype, remat, init_std, moe.bias_update_rate,
+moe.balance_loss_weight); any other model field it sets must equal config.json's.
+
+Tensors stream one at a time from the safetensors to the Orbax arrays: host memory stays near one
+tensor. --strict (default) refuses `mtp.*` tensors (multi-token prediction, which m3jax lacks);
+--no-strict skips them with a warning. Bad input stops with one line on stderr and exit code 2.
+"""
+
+import argparse
+import pathlib
+import shutil
+import sys
+import warnings
+
+import jax
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from m3jax.config import ModelConfig
+from m3jax.config_loading import ConfigError, from_mapping, load_yaml, to_mapping
+from m3jax.convert.hf_config import TRAINING_FIELDS
+from m3jax.convert.layout import tensor_specs
+from m3jax.convert.pretrained import check_tensors, leaf_blocks, open_checkpoint
+from m3jax.model import functional
+from pretrain.checkpoint_arrays import LazyArray, save_streamed, zeros
+from pretrain.config import RunConfig, RunError
+from pretrain.data_loading import make_loader
+from pretrain.optimizer import make_optimizer
+from pretrain.session import progress
+from pretrain.train_step import init_state
+
+IMPORT_STEP = 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="m3-import", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf", required=True, type=pathlib.Path, help="checkpoint directory")
+    parser.add_argument("--output", required=True, type=pathlib.Path, help="new run directory")
+    parser.add_argument("--config", type=pathlib.Path, help="run YAML for the non-model sections")
+    parser.add_argument(
+        "--strict",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refuse mtp.* tensors (--no-strict: skip them with a warning)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        import_checkpoint(args.hf, args.output, config_path=args.config, strict=args.strict)
+    except (ConfigError, RunError, OSError, ValueError) as e:
+        print(f"m3-import: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def import_checkpoint(
+    hf_dir: pathlib.Path,
+    run_dir: pathlib.Path,
+    *,
+    config_path: pathlib.Path | None = None,
+    strict: bool = True,
+) -> RunConfig:
+    """Writes run_dir/config.yaml and run_dir/checkpoints/0; returns the run config."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise RunError(f"{run_dir} is not empty; m3-import writes a new run directory")
+    model, source = open_checkpoint(hf_dir)
+    specs = tensor_specs(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_tensors(specs, source, strict=strict)
+    for warning in caught:
+        print(f"m3-import: warning: {warning.message}", file=sys.stderr)
+    run = run_config(model, config_path)
+    data_state = make_loader(run).state()
+    optimizer = make_optimizer(run.optimizer, run.train.steps, functional(model).param_axes)
+    abstract = jax.eval_shape(lambda: init_state(functional(model), optimizer, run.train.seed))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with tqdm(total=len(specs), desc="m3-import", unit="tensor") as bar:
+            state = _lazy_state(abstract, specs, source, progress=lambda: bar.update(1))
+            step_dir = run_dir / "checkpoints" / str(IMPORT_STEP)
+            save_streamed(step_dir, state, data_state, progress(run, tokens_seen=0))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
+    except BaseException:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # leave no half-written run
+        raise
+    print(f"m3-import: {hf_dir} -> {run_dir} (step {IMPORT_STEP}); continue training with\n"
+          f"  m3-train --config {run_dir / 'config.yaml'} --run-dir {run_dir}")  # fmt: skip
+    return run
+
+
+def run_config(model: ModelConfig, config_path: pathlib.Path | None) -> RunConfig:
+    """The imported model with the other sections of `config_path` (or defaults); see module doc."""
+    where = str(config_path) if config_path else "m3-import defaults"
+    data = load_yaml(config_path) if config_path else {}
+    overrides = data.pop("model", None) or {}
+    merged = _merge(to_mapping(model), overrides)
+    run = from_mapping(RunConfig, {**data, "model": merged}, where=where)
+    for key in _leaf_keys(overrides):
+        if key in (*TRAINING_FIELDS, "init_std"):  # init_std: weights come from the checkpoint
+            continue
+        ours, theirs = _get(run.model, key), _get(model, key)
+        if ours != theirs:
+            raise ConfigError(
+                f"{where}: model.{key}={ours!r} differs from the checkpoint's config.json "
+                f"({theirs!r}); the architecture comes from the checkpoint"
+            )
+    return run
+
+
+def _lazy_state(abstract: dict, specs, source, progress) -> dict:
+    """The train state with imported params/buffers and zero optimizer state, as LazyArrays."""
+    by_leaf: dict = {}
+    for spec in specs:
+        by_leaf.setdefault(spec.leaf, []).append(spec)
+
+    def imported(leaf, shape):
+        leaf_specs = by_leaf[leaf]
+
+        def blocks():
+            for index, block in leaf_blocks(leaf_specs, source):
+                yield index, block
+                progress()
+
+        return LazyArray(shape, np.dtype(np.float32), len(leaf_specs[0].index), blocks)
+
+    weights = {
+        collection: jax.tree_util.tree_map_with_path(
+            lambda path, x, c=collection: imported((c, *map(_key, path)), tuple(x.shape)),
+            abstract[collection],
+        )
+        for collection in ("params", "buffers")
+    }
+    optimizer_state = jax.tree.map(lambda x: zeros(x.shape, x.dtype), abstract["opt_state"])
+    return {"step": zeros((), np.int32), **weights, "opt_state": optimizer_state}
+
+
+def _key(key):
+    return getattr(key, "key", getattr(key, "idx", None))
+
+
+def _merge(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _leaf_keys(mapping: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            keys += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(prefix + key)
+    return keys
+
+
+def _get(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part, None)
+    return config
+
+
+if __name__ == "__main__":
+    sys.exit(main())
