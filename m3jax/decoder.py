@@ -11,6 +11,7 @@ Shapes: B batch, S sequence, D model width.
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from m3jax.attention import Attention, AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
@@ -25,13 +26,21 @@ REMAT_POLICIES = {
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, attention_type: str, mlp_type: str, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention_type: str,
+        mlp_type: str,
+        *,
+        rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
+    ):
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_norm = RMSNorm(dim, eps)
         self.attention = Attention(config, sparse=attention_type == "minimax_m3_sparse", rngs=rngs)
         self.post_attention_norm = RMSNorm(dim, eps)
         if mlp_type == "sparse":
-            self.mlp = MoE(config, rngs=rngs)
+            self.mlp = MoE(config, rngs=rngs, mesh=mesh)
         else:
             self.mlp = MLP(
                 dim,
@@ -68,11 +77,12 @@ class LayerStack(nnx.Module):
         num_layers: int,
         *,
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
     ):
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(config, attention_type, mlp_type, rngs=rngs)
+            return DecoderLayer(config, attention_type, mlp_type, rngs=rngs, mesh=mesh)
 
         self.layers = create(rngs)
         for _, variable in nnx.iter_graph(self.layers):

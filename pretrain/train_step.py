@@ -39,6 +39,7 @@ def make_train_step(
     """The step function; its ForwardMode argument is static (jit with static_argnums=2)."""
     config = run.model
     sparse_layers = [i for i, kind in enumerate(config.layer_types) if kind == "minimax_m3_sparse"]
+    moe_layers = [i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"]
 
     def loss_fn(params, buffers, batch, mode):
         logits, stats = model.apply(
@@ -55,7 +56,15 @@ def make_train_step(
             loss += config.moe.balance_loss_weight * balance
             metrics["balance_loss"] = balance
             # max/mean tokens per expert, averaged over MoE layers: 1.0 = perfectly balanced
-            metrics["expert_imbalance"] = (load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).mean()
+            imbalance = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)  # [MoE layers]
+            metrics["expert_imbalance"] = imbalance.mean()
+            metrics.update({f"expert_imbalance_layer{i}": x for i, x in zip(moe_layers, imbalance)})
+            metrics["moe_idle_experts"] = (
+                load == 0
+            ).mean()  # share of (layer, expert) with no token
+            if config.moe.dispatch == "capacity":
+                dropped = jnp.concatenate([s["dropped_fraction"] for s in moe_stats])
+                metrics["moe_dropped_fraction"] = dropped.mean()
         for name in ("kl", "recall"):
             per_layer = [s["msa"][name] for s in stats if name in s.get("msa", {})]
             if not per_layer:

@@ -66,13 +66,16 @@ def test_every_param_of_the_model_has_a_rule():
     )
 
 
-def losses_on_mesh(mesh: dict, steps: int = 3) -> list[float]:
-    run = tiny_run(mesh=mesh)
+def losses_on_mesh(mesh: dict, steps: int = 3, **sections) -> list[float]:
+    run = tiny_run(mesh=mesh, **sections)
     session = TrainingSession(functional(run.model), run, checkpoints=None)
     session.initialize()
     documents = load_documents("shakespeare")[:20]
     loader = PackedTextLoader(documents, ByteTokenizer(), seq_len=32, batch_size=4, seed=0)
-    return [float(session.step(next(loader))["loss"]) for _ in range(steps)]
+    losses = []
+    for step in range(1, steps + 1):
+        losses.append(float(session.step(next(loader), session.forward_mode(step))["loss"]))
+    return losses
 
 
 @pytest.mark.slow
