@@ -73,7 +73,7 @@ def routed_experts(
         dispatch=dispatch,
         capacity_factor=capacity_factor,
         token_axes=(*batch_axes, *seq_axes),
-        emulate_ragged=mesh.devices.flat[0].platform == "cpu",
+        emulate_ragged=_lacks_ragged_all_to_all(mesh),
     )
     return jax.shard_map(
         on_device,
@@ -81,6 +81,11 @@ def routed_experts(
         in_specs=(tokens, tokens, tokens, PartitionSpec(EXPERT_AXIS)),
         out_specs=(tokens, PartitionSpec()),
     )(x, chosen, weights, experts)
+
+
+def _lacks_ragged_all_to_all(mesh: Mesh) -> bool:
+    """XLA:CPU has no ragged-all-to-all (jax 0.11.2); GPU and TPU do."""
+    return mesh.devices.flat[0].platform == "cpu"
 
 
 def _check_divisible(mesh: Mesh, shape: tuple, num_experts: int, batch_axes, seq_axes) -> None:
@@ -166,7 +171,10 @@ def _ragged_exchange(
     remote_recv_offsets = jax.lax.all_to_all(recv_offsets, EXPERT_AXIS, 0, 0, tiled=True)
     remote_send_offsets = jax.lax.all_to_all(send_offsets, EXPERT_AXIS, 0, 0, tiled=True)
     exchange = _ragged_all_to_all_by_gather if emulate else _ragged_all_to_all
-    buffer = jnp.zeros((parts * rows_per_source, x_sorted.shape[1]), x_sorted.dtype)
+    # zeros_like, not zeros: the buffer must vary over the mesh axes as the rows do, since
+    # ragged_all_to_all types its result like `output`; typed invariant, the received rows would
+    # get an implicit pvary whose transpose sums their gradient over devices.
+    buffer = jnp.zeros_like(x_sorted, shape=(parts * rows_per_source, x_sorted.shape[1]))
     received = exchange(x_sorted, buffer, send_offsets, send_sizes, remote_recv_offsets, recv_sizes)
     position = expert_major_positions(recv_counts, buffer.shape[0])
     grouped = jnp.zeros_like(received).at[position].set(received, unique_indices=True)

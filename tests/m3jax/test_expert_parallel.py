@@ -21,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO
+from flax import nnx
 from jax.sharding import PartitionSpec
 from moe_cases import B, assert_trees_close, inputs, moe_config, random_state, run
 
 from m3jax import expert_parallel, sharding
+from m3jax.moe import MoE
 
 MESHES = {
     "ep2": {"expert": 2},
@@ -120,6 +122,56 @@ def test_ragged_all_to_all_emulation_matches_the_documented_example():
         )
     )(*args)
     np.testing.assert_array_equal(emulated, [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+def _equations(jaxpr) -> list:
+    """Every equation of a jaxpr, those of nested jaxprs (shard_map, scan, ...) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _equations(sub)
+    return found
+
+
+def _gradient_equations(mesh) -> list:
+    config = moe_config()
+    state, (x, mask, cotangent) = random_state(config), inputs()
+
+    def loss(state, x):
+        graphdef, module_state = nnx.split(
+            nnx.eval_shape(lambda: MoE(config, rngs=nnx.Rngs(0), mesh=mesh))
+        )
+        nnx.replace_by_pure_dict(module_state, state)
+        return (nnx.merge(graphdef, module_state)(x, mask)[0] * cotangent).sum()
+
+    return _equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x).jaxpr)
+
+
+def test_real_ragged_all_to_all_path_differentiates_like_the_emulation(monkeypatch):
+    """The GPU path (jax.lax.ragged_all_to_all) cannot run on CPU, but it can be traced: its
+    results must vary over the mesh axes like the rows sent (else autodiff inserts a psum of their
+    gradient over the devices), and its gradient must hold the emulation's reductions, no more."""
+    mesh = mesh_of("ep2-data2")
+    psums = {}
+    for emulate in (True, False):
+        monkeypatch.setattr(expert_parallel, "_lacks_ragged_all_to_all", lambda _, e=emulate: e)
+        equations = _gradient_equations(mesh)
+        psums[emulate] = sorted(
+            (str(e.params["axes"]), e.invars[0].aval.shape)
+            for e in equations
+            if e.primitive.name.startswith("psum")
+        )
+        ragged = [e for e in equations if e.primitive.name == "ragged_all_to_all"]
+        assert len(ragged) == (0 if emulate else 4)  # there and back, forward and backward
+        for e in ragged:
+            assert "expert" in e.outvars[0].aval.mat.varying
+            assert e.outvars[0].aval.mat.varying == e.invars[0].aval.mat.varying
+    assert psums[False] == psums[True]
+    assert len(psums[True]) == 3  # the expert weights' gradients, summed over the token axes
 
 
 def test_expert_major_positions_regroup_source_major_blocks():
