@@ -11,10 +11,11 @@
    backward, dropless and capacity dispatch; TFLOP/s of useful work and MFU vs --peak-tflops.
 3. With --ep P: the same layer with P× the tokens and P× the experts over P devices, i.e. the same
    tokens and local experts per device as in 2, ragged and capacity exchange: per-device throughput
-   against 1 device ("vs 1 dev" = 1-device time / EP time), and the EP output's error against each
-   device's token shard run through the layer alone on one device (capacity is per device).
+   against 1 device ("vs 1 dev" = 1-device time / EP time), and the error of the EP output and
+   gradients against each device's token shard run through the layer alone on one device (capacity
+   is per device, so this holds with drops too).
 A check runs first (fp32, small shapes): every dispatch mode and EP exchange against the dense
-reference layer. Times are medians of --repeats after a warm-up; "vs dense" = this row's TFLOP/s /
+reference layer, outputs and gradients. Times are medians of --repeats after a warm-up; "vs dense" = this row's TFLOP/s /
 the dense matmul's at the same M (same phase); max err = max|y - ref| / max|ref| against an fp32
 reference (grouped variants: the ragged_dot reference; backward rows: dX and dW). The last stdout
 line is JSON.
@@ -245,35 +246,51 @@ def ep_rows(shape: dict, ep: int, one_device: dict, dense_tflops, peak, repeats)
         config = layer_config(shape, experts, dispatch)
         state = layer_state(config, mesh)
         x, cotangent = layer_inputs(ep, tokens, shape["dim"], mesh)
-        seconds, (_, dropped) = time_call(layer_train(config, mesh), (state, x, cotangent), repeats)
-        # Reference: each device's token shard through the layer alone on one device (forward):
-        # capacity is per (device, expert), so this is exact for both exchanges.
-        device = jax.devices()[0]
-        one = jax.device_put(state, device)
-        expected = jnp.concatenate(
-            [
-                forward_pass(config, None)(one, jax.device_put(x[i : i + 1], device))
-                for i in range(ep)
-            ]
+        seconds, (grads, dropped) = time_call(
+            layer_train(config, mesh), (state, x, cotangent), repeats
         )
-        actual = jax.device_put(forward_pass(config, mesh)(state, x), device)
+        actual = (forward_pass(config, mesh)(state, x), grads)
         tflops = flops / seconds / 1e12
         out.append(dict(variant=f"EP{ep} {exchange} fwd+bwd", ms=seconds * 1e3, tflops=tflops,
                         vs_dense=tflops / dense_tflops, mfu=tflops * 1e12 / peak,
                         vs_one_device=one_device[dispatch] / seconds, dropped=float(dropped),
-                        max_err=relative_error(actual, expected.astype(jnp.float32)),
+                        max_err=relative_error(jax.device_put(actual, jax.devices()[0]),
+                                               per_shard_reference(config, state, x, cotangent)),
                         shape=layer_label(shape, tokens, experts // ep, experts)))  # fmt: skip
     return out
 
 
+def per_shard_reference(config: ModelConfig, state: dict, x: jax.Array, cotangent: jax.Array):
+    """(output, grads) with each batch row (= one device's tokens) through the layer alone on one
+    device: what expert parallelism must equal, capacity drops included (C is per device)."""
+    device = jax.devices()[0]
+    state, x, cotangent = jax.device_put((state, x, cotangent), device)
+    forward, train = forward_pass(config, None), jax.jit(layer_train(config, None))
+    outs, state_grads, x_grads = [], [], []
+    for i in range(x.shape[0]):
+        outs.append(forward(state, x[i : i + 1]))
+        (state_grad, x_grad), _ = train(state, x[i : i + 1], cotangent[i : i + 1])
+        state_grads.append(state_grad)
+        x_grads.append(x_grad)
+    state_grad = jax.tree.map(lambda *g: sum(a.astype(jnp.float32) for a in g), *state_grads)
+    return jnp.concatenate(outs), (state_grad, jnp.concatenate(x_grads))
+
+
 def check(shape: dict, ep: int) -> dict:
-    """fp32, small: each dispatch (and EP exchange) vs the dense reference layer, forward."""
+    """fp32, small: each dispatch (and EP exchange) vs the dense reference layer, forward and
+    gradients (params and input)."""
     small = {**shape, **shape["check"]}
     experts, tokens, parts = 8, small["tokens"], max(ep, 1)
-    x, _ = layer_inputs(parts, tokens // parts, small["dim"], dtype=jnp.float32)
+    x, cotangent = layer_inputs(parts, tokens // parts, small["dim"], dtype=jnp.float32)
     dense = layer_config(small, experts, "dense", "float32")
     state = layer_state(dense)
-    expected = forward_pass(dense, None)(state, x)
+
+    def results(config, mesh):
+        return forward_pass(config, mesh)(state, x), jax.jit(layer_train(config, mesh))(
+            state, x, cotangent
+        )[0]
+
+    expected = results(dense, None)
     meshes = {"": None}
     if ep > 1:
         meshes[f"EP{ep} "] = sharding.make_mesh({"expert": ep}, devices=jax.devices()[:ep])
@@ -282,8 +299,8 @@ def check(shape: dict, ep: int) -> dict:
         # capacity_factor E/k: C = N, nothing drops
         config = layer_config(small, experts, dispatch, "float32", experts / small["k"])
         for prefix, mesh in meshes.items():
-            out = forward_pass(config, mesh)(state, x)
-            result[f"{prefix}{dispatch} vs dense"] = relative_error(out, expected)
+            actual = jax.device_put(results(config, mesh), jax.devices()[0])
+            result[f"{prefix}{dispatch} vs dense"] = relative_error(actual, expected)
     return result
 
 
@@ -300,7 +317,9 @@ def markdown(rows: list[dict], args, checks: dict) -> str:
         f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; bf16; "
         f"median of {args.repeats} after a warm-up; MFU vs {args.peak_tflops:.0f} TFLOP/s. "
         "vs dense = TFLOP/s / the dense matmul's at the same M and phase; vs 1 dev = 1-device "
-        "time / EP time at equal per-device tokens and local experts; max err vs fp32 reference.",
+        "time / EP time at equal per-device tokens and local experts; max err: matmuls vs an fp32 "
+        "reference, EP rows (output and gradients) vs each device's tokens through the layer on "
+        "one device.",
         "Check (fp32 vs dense layer): "
         + ", ".join(f"{name} {error:.1e}" for name, error in checks.items()),
         "",

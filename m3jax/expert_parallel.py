@@ -18,7 +18,9 @@ Exchanges, by `model.moe.dispatch`:
   device, moe_dispatch.capacity over the device's N tokens), one batched einsum over the
   [E/P, P·C, D] buffers received, the same all_to_all back. Rows past C are dropped and counted.
 Gradients come from autodiff through the collectives (their transposes are the reverse exchanges).
-Inside the map the expert weights are whole along D and F: fsdp/tensor shards are gathered on entry.
+Inside the map the expert weights are whole along D and F: fsdp/tensor shards are gathered on entry,
+and with mesh.tensor > 1 every tensor rank repeats its group's expert work (no tensor parallelism
+inside the experts yet).
 
 Shapes: B batch, S sequence, N = B·S tokens on a device, k experts per token, R = N·k rows,
 D model width, E experts (all), P expert-parallel devices, C capacity.

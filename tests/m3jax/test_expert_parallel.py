@@ -70,6 +70,7 @@ def test_expert_parallel_equals_one_device(mesh_name, dispatch):
     assert np.asarray(stats["load"])[-1] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["ep2", "ep4", "ep8"])
 def test_expert_parallel_capacity_drops_as_each_device_alone(mesh_name):
     """Capacity is per (device, expert): EP equals the one-device block run on each token shard."""
