@@ -53,8 +53,11 @@ def test_train_loss_falls_on_shakespeare(tmp_path):
         "lr",
         "tokens_per_s",
         "expert_imbalance",
+        "expert_imbalance_layer1",
+        "moe_idle_experts",
         "balance_loss",
     } <= set(records[-1])
+    assert "moe_dropped_fraction" not in records[-1]  # dropless: nothing to drop
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
