@@ -4,6 +4,8 @@ state = {"step", "params", "buffers", "opt_state"}: nested dicts of arrays, what
 loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE balance loss
        + msa.kl_weight · Σ_sparse layers indexer KL (whose gradient reaches only the indexers).
 After the update, each router's correction bias moves toward balanced load (outside the optimizer).
+The loads are global, all tokens of the step on any mesh: routing statistics are computed outside
+the expert-parallel shard_map (m3jax/moe.py).
 """
 
 from collections.abc import Callable
@@ -59,9 +61,8 @@ def make_train_step(
             imbalance = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)  # [MoE layers]
             metrics["expert_imbalance"] = imbalance.mean()
             metrics.update({f"expert_imbalance_layer{i}": x for i, x in zip(moe_layers, imbalance)})
-            metrics["moe_idle_experts"] = (
-                load == 0
-            ).mean()  # share of (layer, expert) with no token
+            # share of (MoE layer, expert) pairs that got no token this step
+            metrics["moe_idle_experts"] = (load == 0).mean()
             if config.moe.dispatch == "capacity":
                 dropped = jnp.concatenate([s["dropped_fraction"] for s in moe_stats])
                 metrics["moe_dropped_fraction"] = dropped.mean()
