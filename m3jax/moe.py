@@ -4,9 +4,10 @@ spec/m3_architecture.md §3.6: s = sigmoid(router logits) in fp32; experts are *
 but *weighted* by s renormalised over the chosen k; routed sum × routed_scaling + shared expert.
 The bias is a Buffer: the trainer moves it toward balanced load (aux-loss-free balancing), never the
 optimizer. How the chosen experts compute is `model.moe.dispatch` (m3jax/moe_dispatch.py: dropless
-grouped matmul, capacity buffers, or the dense reference); given a mesh, the routed experts run
-inside `shard_map`, sharded over its `expert` axis (m3jax/expert_parallel.py). Routing and the
-statistics stay outside, in the global view, so the expert loads the trainer sees are global.
+grouped matmul, capacity buffers, or the dense reference). Given a mesh, dropless and capacity run
+inside `shard_map` with the experts sharded over its `expert` axis (m3jax/expert_parallel.py); the
+dense reference stays one global computation that XLA partitions. Routing and the statistics stay
+outside, in the global view, so the expert loads the trainer sees are global.
 
 Shapes: N tokens, D model width, E experts, F expert width, k experts per token.
 """
