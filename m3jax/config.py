@@ -12,6 +12,7 @@ MLP_TYPES = ("dense", "sparse")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("reference", "xla")
+MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe_dispatch.py
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,12 @@ class MoEConfig:
     # Aux-loss-free balancing: after each step, bias_e += rate * sign(mean load - load_e).
     bias_update_rate: float = 1e-3
     balance_loss_weight: float = 0.0  # optional auxiliary load-balance loss; 0 disables it
+    # How the chosen experts compute, and with mesh.expert > 1 how tokens travel between devices:
+    # dropless (grouped matmul; ragged all-to-all), capacity (fixed [E, C, D] buffers, overflow
+    # dropped; fixed-size all-to-all) or dense (every expert on every token: the test reference).
+    dispatch: str = "dropless"
+    # capacity: each expert takes at most ⌈capacity_factor · tokens · k / E⌉ rows per device.
+    capacity_factor: float = 1.25
 
     def __post_init__(self):
         _require_positive_ints(self, "moe.")
@@ -61,6 +68,10 @@ class MoEConfig:
             )
         if self.bias_update_rate < 0 or self.balance_loss_weight < 0:
             raise ValueError("moe.bias_update_rate and moe.balance_loss_weight must be >= 0")
+        if self.dispatch not in MOE_DISPATCH_MODES:
+            raise ValueError(f"moe.dispatch={self.dispatch!r} is not one of {MOE_DISPATCH_MODES}")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"moe.capacity_factor={self.capacity_factor} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ Shapes: B batch, S sequence, D model width, Hi index heads, k selected blocks / 
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from m3jax.attention import Attention, AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
@@ -21,13 +22,21 @@ from m3jax.stacking import scan_layers, stacked_layers
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, attention_type: str, mlp_type: str, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention_type: str,
+        mlp_type: str,
+        *,
+        rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
+    ):
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_norm = RMSNorm(dim, eps)
         self.attention = Attention(config, sparse=attention_type == "minimax_m3_sparse", rngs=rngs)
         self.post_attention_norm = RMSNorm(dim, eps)
         if mlp_type == "sparse":
-            self.mlp = MoE(config, rngs=rngs)
+            self.mlp = MoE(config, rngs=rngs, mesh=mesh)
         else:
             self.mlp = MLP(
                 dim,
@@ -69,9 +78,12 @@ class LayerStack(nnx.Module):
         num_layers: int,
         *,
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
     ):
         self.layers = stacked_layers(
-            lambda rngs: DecoderLayer(config, attention_type, mlp_type, rngs=rngs), num_layers, rngs
+            lambda rngs: DecoderLayer(config, attention_type, mlp_type, rngs=rngs, mesh=mesh),
+            num_layers,
+            rngs,
         )
         self.remat = config.remat
 

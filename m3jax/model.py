@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from m3jax import params
 from m3jax.attention import AttentionInputs, ForwardMode
@@ -37,11 +38,12 @@ def layer_runs(config: ModelConfig) -> list[tuple[str, str, int]]:
 
 
 class M3Model(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+        """mesh: the devices the MoE layers spread their experts over (None: one device)."""
         dim, vocab, std = config.hidden_size, config.vocab_size, config.init_std
         self.embed = params.normal(rngs, (vocab, dim), ("vocab", "embed"), std)
         self.stacks = nnx.List(
-            [LayerStack(config, a, m, n, rngs=rngs) for a, m, n in layer_runs(config)]
+            [LayerStack(config, a, m, n, rngs=rngs, mesh=mesh) for a, m, n in layer_runs(config)]
         )
         self.final_norm = RMSNorm(dim, config.rms_norm_eps)
         self.lm_head = params.normal(rngs, (dim, vocab), ("embed", "vocab"), std)
@@ -90,8 +92,9 @@ class M3Model(nnx.Module):
             return x
         if self.config.vision is None:
             raise ValueError("vision inputs given to a text-only model (config.vision is None)")
-        states = self.vision(vision.patches, vision.positions, vision.segment_ids)
-        features = self.projector(states).astype(x.dtype)  # [M, D]
+        states = self.vision(vision.patches, vision.positions, vision.segment_ids)  # [N, P, Dv]
+        features = self.projector(states).astype(x.dtype)  # [N, P/m², D]
+        features = features.reshape(-1, features.shape[-1])  # rows of all N, in order
         index = vision.token_index
         return jnp.where((index >= 0)[..., None], features[jnp.maximum(index, 0)], x)
 
@@ -139,6 +142,10 @@ class Functional:
         """The first layer's input [B, S, D]: see M3Model.embeddings."""
         return nnx.merge(self.graphdef, params, buffers).embeddings(tokens, vision)
 
+    def on_mesh(self, mesh: Mesh) -> "Functional":
+        """The same model with its MoE layers expert-parallel over `mesh` (see `functional`)."""
+        return functional(self.config, mesh)
+
     def rebalanced(self, buffers: dict, stats: list[dict], rate: float) -> dict:
         """Buffers after one aux-loss-free step of every router bias, from `apply`'s expert loads."""
         stacks = dict(buffers.get("stacks", {}))
@@ -150,9 +157,13 @@ class Functional:
         return {**buffers, "stacks": stacks}
 
 
-def functional(config: ModelConfig) -> Functional:
-    """Traces the module structure once (abstractly) and returns its functional form."""
-    model = nnx.eval_shape(lambda: M3Model(config, rngs=nnx.Rngs(0)))
+def functional(config: ModelConfig, mesh: Mesh | None = None) -> Functional:
+    """Traces the module structure once (abstractly) and returns its functional form.
+
+    mesh: the devices `apply` runs on, when its MoE layers should run expert-parallel (over the
+    mesh's `expert` axis, m3jax/expert_parallel.py); None runs them as on one device.
+    """
+    model = nnx.eval_shape(lambda: M3Model(config, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, param_state, buffer_state = nnx.split(model, nnx.Param, params.Buffer)
     return Functional(config, graphdef, _axes(param_state), _axes(buffer_state))
 

@@ -3,19 +3,26 @@
 spec/m3_architecture.md §3.6: s = sigmoid(router logits) in fp32; experts are *chosen* by s + bias
 but *weighted* by s renormalised over the chosen k; routed sum × routed_scaling + shared expert.
 The bias is a Buffer: the trainer moves it toward balanced load (aux-loss-free balancing), never the
-optimizer. Dispatch here is dense (every expert sees every token, weights zero where unchosen): exact
-and simple, the reference the grouped-matmul path is tested against.
+optimizer. How the chosen experts compute is `model.moe.dispatch` (m3jax/moe_dispatch.py: dropless
+grouped matmul, capacity buffers, or the dense reference). Given a mesh, dropless and capacity run
+inside `shard_map` with the experts sharded over its `expert` axis (m3jax/expert_parallel.py); the
+dense reference stays one global computation that XLA partitions. Routing and the statistics stay
+outside, in the global view, so the expert loads the trainer sees are global.
 
 Shapes: N tokens, D model width, E experts, F expert width, k experts per token.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from m3jax import params
+from m3jax import expert_parallel, params
 from m3jax.config import ModelConfig
 from m3jax.mlp import MLP, swigluoai
+from m3jax.moe_dispatch import ExpertWeights, dense_experts, local_ffn, sorted_experts
 
 
 def route(
@@ -38,7 +45,8 @@ def balanced_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
 
 
 class MoE(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+        """mesh: where the routed experts run (sharded over its `expert` axis); None = one device."""
         moe, dim, std = config.moe, config.hidden_size, config.init_std
         experts = moe.num_experts
         self.router = params.normal(rngs, (dim, experts), ("embed", None), std)
@@ -61,36 +69,58 @@ class MoE(nnx.Module):
             rngs=rngs,
         )
         self.k, self.routed_scaling = moe.experts_per_token, moe.routed_scaling
+        self.dispatch, self.capacity_factor = moe.dispatch, moe.capacity_factor
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.mesh = mesh
 
     def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, dict]:
         """x: [B, S, D]; token_mask: [B, S] (False for padding, excluded from load statistics).
 
         Returns the output [B, S, D] and statistics: load and score_share [E] fp32 per expert,
-        experts [B, S, k] int32: the experts each token was routed to (in no particular order).
+        experts [B, S, k] int32: the experts each token was routed to (in no particular order), and
+        dropped_fraction, the share of (token, expert) pairs that capacity limits dropped (padding
+        included; 0 unless dispatch is "capacity").
         """
         shape, dtype = x.shape, x.dtype
-        x = x.reshape(-1, shape[-1])  # [N, D]
-        logits = x.astype(jnp.float32) @ self.router[...]  # router in fp32 on every path
+        tokens = x.reshape(-1, shape[-1])  # [N, D]
+        logits = tokens.astype(jnp.float32) @ self.router[...]  # router in fp32 on every path
         chosen, weights, scores = route(logits, self.correction_bias[...], self.k)
-        num_experts = scores.shape[-1]
-        combine = jnp.zeros((x.shape[0], num_experts), jnp.float32)
-        combine = combine.at[jnp.arange(x.shape[0])[:, None], chosen].set(weights)  # [N, E]
-
-        gate = jnp.einsum("nd,edf->enf", x, self.gate_proj[...].astype(dtype))
-        up = jnp.einsum("nd,edf->enf", x, self.up_proj[...].astype(dtype))
-        expert_out = jnp.einsum(
-            "enf,efd->end",
-            swigluoai(gate, up, self.alpha, self.limit),
-            self.down_proj[...].astype(dtype),
+        experts = ExpertWeights(
+            *(w[...].astype(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         )
-        routed = jnp.einsum("end,ne->nd", expert_out, combine.astype(dtype))
-        out = self.routed_scaling * routed + self.shared_expert(x)
+        activation = functools.partial(swigluoai, alpha=self.alpha, limit=self.limit)
+        num_experts, dropped = scores.shape[-1], jnp.zeros((), jnp.int32)
+        if self.dispatch == "dense":
+            routed = dense_experts(tokens, chosen, weights, experts, activation)
+        elif self.mesh is None:
+            routed, dropped = sorted_experts(
+                tokens,
+                chosen,
+                weights,
+                num_experts,
+                local_ffn(experts, activation),
+                dispatch=self.dispatch,
+                capacity_factor=self.capacity_factor,
+            )
+        else:
+            routed, dropped = expert_parallel.routed_experts(
+                self.mesh,
+                x,
+                chosen.reshape(*shape[:-1], self.k),
+                weights.reshape(*shape[:-1], self.k),
+                experts,
+                activation,
+                dispatch=self.dispatch,
+                capacity_factor=self.capacity_factor,
+            )
+        out = self.routed_scaling * routed.reshape(tokens.shape) + self.shared_expert(tokens)
 
         mask = token_mask.reshape(-1, 1).astype(jnp.float32)
+        load = jnp.zeros((num_experts,), jnp.float32).at[chosen].add(mask)
         stats = {
-            "load": ((combine > 0) * mask).sum(0),  # tokens routed to each expert
+            "load": load,  # tokens routed to each expert
             "score_share": (scores / scores.sum(-1, keepdims=True) * mask).sum(0),
             "experts": chosen.reshape(*shape[:-1], self.k),
+            "dropped_fraction": dropped.astype(jnp.float32) / chosen.size,
         }
         return out.reshape(shape), stats

@@ -28,7 +28,7 @@ class Projector(nnx.Module):
         self.window = window
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [P, Dv] with P a multiple of m² -> [P / m², D] merged features."""
-        y = self.linear_2(jax.nn.gelu(self.linear_1(x), approximate=False))  # [P, D]
-        y = y.reshape(y.shape[0] // self.window, -1)  # [P/m², m²·D]: window patches side by side
+        """x: [..., P, Dv] with P a multiple of m² -> [..., P / m², D] merged features."""
+        y = self.linear_2(jax.nn.gelu(self.linear_1(x), approximate=False))  # [..., P, D]
+        y = y.reshape(*y.shape[:-2], y.shape[-2] // self.window, -1)  # [..., P/m², m²·D]
         return self.merge_2(jax.nn.gelu(self.merge_1(y), approximate=False))

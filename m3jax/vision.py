@@ -5,10 +5,12 @@ i.e. a matmul over the C·T·P·P = 1176 row features (ordered c, t, y, x); then
 absolute position embedding, no post-LayerNorm) and `num_layers` encoder layers:
 x += out_proj(MHA(RoPE(q(LN1 x)), RoPE(k(LN1 x)), v(LN1 x))); x += fc2(GELU(fc1(LN2 x))).
 Attention is bidirectional and confined to one segment: one image, or one video chunk (a row of
-grid_thw). Patches of every image and video of a batch are packed into one array with a segment id
-per patch (0 = padding up to a fixed patch budget, so shapes stay static under jit).
+grid_thw). Patches come in N rows (one per training row; one row for transformers-style inputs) of a
+fixed patch budget P, with a segment id per patch (0 = padding, so shapes stay static under jit);
+attention never leaves a row, so its cost is N·P², not (N·P)².
 
-Shapes: P patches, Dv vision width, H vision heads, Dh vision head dim, F MLP width, R rotary dims.
+Shapes: N rows, P patches per row, Dv vision width, H vision heads, Dh vision head dim, F MLP width,
+R rotary dims.
 """
 
 from typing import NamedTuple
@@ -28,9 +30,9 @@ from pallas_kernels.attention.reference import gqa_attention
 class PatchInputs(NamedTuple):
     """Per-patch quantities shared by every encoder layer."""
 
-    rope_cos: jax.Array  # [1, P, R] fp32
-    rope_sin: jax.Array  # [1, P, R] fp32
-    mask: jax.Array  # [P, P] bool: same segment (padding patches see only padding)
+    rope_cos: jax.Array  # [N, P, R] fp32
+    rope_sin: jax.Array  # [N, P, R] fp32
+    mask: jax.Array  # [N, P, P] bool: same segment (padding patches see only padding)
 
 
 class VisionAttention(nnx.Module):
@@ -44,12 +46,11 @@ class VisionAttention(nnx.Module):
         self.out_proj = Linear((heads, head_dim), (width,), out_axes, std=std, rngs=rngs)
 
     def __call__(self, x: jax.Array, inputs: PatchInputs) -> jax.Array:
-        """x: [P, Dv] -> [P, Dv]; multi-head (K = H), bidirectional within each segment."""
-        q = apply_rope(self.q_proj(x)[None], inputs.rope_cos, inputs.rope_sin)  # [1, P, H, Dh]
-        k = apply_rope(self.k_proj(x)[None], inputs.rope_cos, inputs.rope_sin)
-        v = self.v_proj(x)[None]
-        out = gqa_attention(q, k, v, inputs.mask[None, None, None])  # [1, P, H, Dh]
-        return self.out_proj(out[0])
+        """x: [N, P, Dv] -> [N, P, Dv]; multi-head (K = H), bidirectional within each segment."""
+        q = apply_rope(self.q_proj(x), inputs.rope_cos, inputs.rope_sin)  # [N, P, H, Dh]
+        k = apply_rope(self.k_proj(x), inputs.rope_cos, inputs.rope_sin)
+        out = gqa_attention(q, k, self.v_proj(x), inputs.mask[:, None, None])
+        return self.out_proj(out)
 
 
 class VisionMLP(nnx.Module):
@@ -90,12 +91,12 @@ class VisionTower(nnx.Module):
     def __call__(
         self, patches: jax.Array, positions: jax.Array, segment_ids: jax.Array
     ) -> jax.Array:
-        """patches [P, C·T·P·P] pixel rows; positions [P, 3] int32 (t, h, w) within the patch's
-        segment; segment_ids [P] int32 (0 = padding). Returns the last layer's states [P, Dv]."""
+        """patches [N, P, C·T·P·P] pixel rows; positions [N, P, 3] int32 (t, h, w) within the patch's
+        segment; segment_ids [N, P] int32 (0 = padding). Returns the last layer's states [N, P, Dv]."""
         x = patches.astype(self.dtype) @ self.patch_embed[...].astype(self.dtype)
         x = self.pre_norm(x)
         cos, sin = axial_rope_tables(positions, self.head_dim, self.rope_theta)
-        mask = segment_ids[:, None] == segment_ids[None, :]
-        inputs = PatchInputs(cos[None], sin[None], mask)
+        mask = segment_ids[:, :, None] == segment_ids[:, None, :]
+        inputs = PatchInputs(cos, sin, mask)
         x, _ = scan_layers(self.layers, x, lambda layer, x: (layer(x, inputs), None), self.remat)
         return x

@@ -2,9 +2,10 @@
 
 transformers' MiniMax-M3-VL takes `pixel_values` [N, C·T·P·P] with `image_grid_thw` [n, 3] (and the
 same for videos, one grid row per chunk of at most 4 temporal patches). The jit-able model core
-instead takes `VisionInputs`: all patches of a batch packed into a fixed patch budget, each patch's
-(t, h, w) ViT position and segment id (one id per grid row; 0 = padding), and for every token the
-row of the merged feature matrix that replaces its embedding (-1 = text token). Feature rows are
+instead takes `VisionInputs`: patches in N rows of a fixed patch budget (one row here; one per
+training row in training batches), each patch's (t, h, w) ViT position and segment id (one id per
+grid row; 0 = padding), and for every token the row of the merged feature matrix (all N rows'
+merged features, in order) that replaces its embedding (-1 = text token). Feature rows are
 all images' in `image_grid_thw` order, then all videos'; placeholders are filled batch-major, in
 order, as transformers' masked_scatter does (spec §5.3).
 
@@ -22,10 +23,10 @@ from m3jax.config import VisionConfig
 class VisionInputs(NamedTuple):
     """What the model core needs for vision; a pytree of arrays, so it passes through jit."""
 
-    patches: np.ndarray  # [P, C·T·P·P] float32 pixel rows, zero rows for padding
-    positions: np.ndarray  # [P, 3] int32 (t, h, w) inside the patch's grid row
-    segment_ids: np.ndarray  # [P] int32: 1.. per grid row, 0 = padding
-    token_index: np.ndarray  # [B, S] int32: merged feature row per placeholder token, -1 = text
+    patches: np.ndarray  # [N, P, C·T·P·P] float32 pixel rows, zero rows for padding
+    positions: np.ndarray  # [N, P, 3] int32 (t, h, w) inside the patch's grid row
+    segment_ids: np.ndarray  # [N, P] int32: 1.. per grid row within a row, 0 = padding
+    token_index: np.ndarray  # [B, S] int32: merged feature row (of N·P/m²), -1 = text token
 
 
 def grid_positions(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
@@ -97,9 +98,9 @@ def pack_vision_inputs(
         )
     pad = budget - len(patches)
     return VisionInputs(
-        patches=np.pad(patches, ((0, pad), (0, 0))),
-        positions=np.pad(positions, ((0, pad), (0, 0))),
-        segment_ids=np.pad(segment_ids, (0, pad)),
+        patches=np.pad(patches, ((0, pad), (0, 0)))[None],
+        positions=np.pad(positions, ((0, pad), (0, 0)))[None],
+        segment_ids=np.pad(segment_ids, (0, pad))[None],
         token_index=token_index,
     )
 
@@ -136,23 +137,17 @@ def _checked_media(kind: str, pixels, grid, vision: VisionConfig):
 def from_packed_rows(
     patches, patch_positions, patch_segment_ids, feature_index, merge_size: int
 ) -> VisionInputs:
-    """Training rows (each with its own patch budget) -> one VisionInputs for the whole batch.
+    """Training rows (each with its own patch budget) -> VisionInputs with one patch row per row.
 
     patches [B, P, C·T·P·P], patch_positions [B, P, 3], patch_segment_ids [B, P] (1.. per image or
     video chunk within the row, 0 = padding) and feature_index [B, S] (the row's merged feature row
-    per placeholder, -1 = text), as data.mm_loader produces them. Rows are concatenated; segment ids
-    and feature rows are offset so they stay unique across rows. Works on NumPy or traced arrays.
+    per placeholder, -1 = text), as data.mm_loader produces them. Feature rows are offset to index
+    all rows' merged features in order. Works on NumPy or traced arrays.
     """
     batch, budget = patch_segment_ids.shape
     window = merge_size**2
     if budget % window:
         raise ValueError(f"the patch budget {budget} must be a multiple of {window} (m²)")
     rows = jnp.arange(batch)[:, None]
-    segment_ids = jnp.where(patch_segment_ids > 0, patch_segment_ids + rows * budget, 0)
     token_index = jnp.where(feature_index >= 0, feature_index + rows * (budget // window), -1)
-    return VisionInputs(
-        patches=patches.reshape(batch * budget, -1),
-        positions=patch_positions.reshape(batch * budget, 3),
-        segment_ids=segment_ids.reshape(-1),
-        token_index=token_index,
-    )
+    return VisionInputs(patches, patch_positions, patch_segment_ids, token_index)

@@ -27,8 +27,15 @@ from pretrain.train_step import init_state, make_train_step
 
 class TrainingSession:
     def __init__(self, model: Functional, run: RunConfig, checkpoints: Checkpoints):
-        self.model, self.run, self.checkpoints = model, run, checkpoints
+        self.run, self.checkpoints = run, checkpoints
         self.mesh = sharding.make_mesh(dataclasses.asdict(run.mesh))
+        experts, expert_devices = run.model.moe.num_experts, self.mesh.shape["expert"]
+        if "sparse" in run.model.mlp_layer_types and experts % expert_devices:
+            raise ConfigError(
+                f"model.moe.num_experts={experts} is not divisible by mesh.expert={expert_devices}"
+            )
+        # The MoE layers run expert-parallel over this mesh (m3jax/expert_parallel.py).
+        self.model = model = model.on_mesh(self.mesh)
         data_parallel = math.prod(self.mesh.shape[a] for a in ("data", "fsdp", "expert"))
         if run.data.batch_size % data_parallel:
             raise ConfigError(

@@ -30,7 +30,8 @@ from pretrain.metrics import MetricsWriter, read_metrics
 from pretrain.session import TrainingSession
 
 LOG_KEYS = (
-    "loss", "nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance", "tokens_per_s"
+    "loss", "nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance",
+    "moe_dropped_fraction", "tokens_per_s"
 )  # fmt: skip
 
 

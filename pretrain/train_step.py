@@ -4,6 +4,8 @@ state = {"step", "params", "buffers", "opt_state"}: nested dicts of arrays, what
 loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE balance loss
        + msa.kl_weight · Σ_sparse layers indexer KL (whose gradient reaches only the indexers).
 After the update, each router's correction bias moves toward balanced load (outside the optimizer).
+The loads are global, all tokens of the step on any mesh: routing statistics are computed outside
+the expert-parallel shard_map (m3jax/moe.py).
 """
 
 from collections.abc import Callable
@@ -40,6 +42,7 @@ def make_train_step(
     """The step function; its ForwardMode argument is static (jit with static_argnums=2)."""
     config = run.model
     sparse_layers = [i for i, kind in enumerate(config.layer_types) if kind == "minimax_m3_sparse"]
+    moe_layers = [i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"]
 
     def loss_fn(params, buffers, batch, mode):
         vision = None
@@ -67,7 +70,14 @@ def make_train_step(
             loss += config.moe.balance_loss_weight * balance
             metrics["balance_loss"] = balance
             # max/mean tokens per expert, averaged over MoE layers: 1.0 = perfectly balanced
-            metrics["expert_imbalance"] = (load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)).mean()
+            imbalance = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)  # [MoE layers]
+            metrics["expert_imbalance"] = imbalance.mean()
+            metrics.update({f"expert_imbalance_layer{i}": x for i, x in zip(moe_layers, imbalance)})
+            # share of (MoE layer, expert) pairs that got no token this step
+            metrics["moe_idle_experts"] = (load == 0).mean()
+            if config.moe.dispatch == "capacity":
+                dropped = jnp.concatenate([s["dropped_fraction"] for s in moe_stats])
+                metrics["moe_dropped_fraction"] = dropped.mean()
         for name in ("kl", "recall"):
             per_layer = [s["msa"][name] for s in stats if name in s.get("msa", {})]
             if not per_layer:

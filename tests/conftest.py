@@ -3,6 +3,8 @@ persistent compilation cache shared by the whole run (training tests compile the
 times, in-process and in subprocesses).
 
 These must be set before JAX is imported, hence here. Single-device code simply uses device 0.
+A device count already in XLA_FLAGS wins: tests/m3jax/test_expert_parallel.py reruns its 8-device
+cases in a subprocess with 8.
 """
 
 import os
@@ -10,9 +12,10 @@ import pathlib
 import tempfile
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="m3jax-test-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -71,6 +71,9 @@ def test_config_wrong_type_is_named(tmp_path):
         ({"vision": {"num_heads": 0}}, "vision.num_heads=0 must be >= 1"),
         ({"moe": {"expert_dim": -2}}, "moe.expert_dim=-2 must be >= 1"),
         ({"layer_types": ["full_attention*x"]}, r"bad repeat count in 'full_attention\*x'"),
+        ({"moe": {"dispatch": "sparse"}}, "moe.dispatch='sparse' is not one of"),
+        ({"moe": {"capacity_factor": 0}}, "moe.capacity_factor=0.0 must be > 0"),
+        ({"moe": {"capacity_factor": -1.5}}, "moe.capacity_factor=-1.5 must be > 0"),
     ],
 )
 def test_config_inconsistent_model_values_fail_at_load(tmp_path, model, message):
@@ -83,6 +86,10 @@ def test_config_inconsistent_run_values_fail_at_load(tmp_path):
         load_run_config(write(tmp_path, {"data": {"seq_len": 100}, "mesh": {"seq": 3}}))
     with pytest.raises(ConfigError, match="at most one -1"):
         load_run_config(write(tmp_path, {"mesh": {"data": -1, "fsdp": -1}}))
+    with pytest.raises(
+        ConfigError, match="model.moe.num_experts=128 is not divisible by mesh.expert=3"
+    ):
+        load_run_config(write(tmp_path, {"mesh": {"data": 1, "expert": 3}}))
 
 
 def test_config_file_errors_name_the_file(tmp_path):

@@ -9,6 +9,7 @@ from data.text_corpus import load_documents
 from data.text_loader import PackedTextLoader
 from data.tokenizer import ByteTokenizer
 from m3jax import sharding
+from m3jax.config_loading import ConfigError
 from m3jax.model import functional
 from pretrain.session import TrainingSession
 from tiny import tiny_run, tiny_vision_run
@@ -67,8 +68,8 @@ def test_every_param_of_the_model_has_a_rule(run):
     )
 
 
-def losses_on_mesh(mesh: dict, steps: int = 3) -> list[float]:
-    run = tiny_run(mesh=mesh)
+def losses_on_mesh(mesh: dict, steps: int = 3, **sections) -> list[float]:
+    run = tiny_run(mesh=mesh, **sections)
     session = TrainingSession(functional(run.model), run, checkpoints=None)
     session.initialize()
     documents = load_documents("shakespeare")[:20]
@@ -87,3 +88,10 @@ def test_train_step_gives_the_same_losses_on_every_mesh():
         {"data": 1, "expert": 2, "fsdp": 2},
     ):
         np.testing.assert_allclose(losses_on_mesh(mesh), reference, rtol=2e-5, err_msg=str(mesh))
+
+
+def test_session_rejects_experts_that_the_expert_axis_does_not_divide():
+    """mesh.expert = -1 resolves to 4 devices only here, after the config has loaded."""
+    run = tiny_run(model={"moe": {"num_experts": 6}}, mesh={"data": 1, "expert": -1})
+    with pytest.raises(ConfigError, match="num_experts=6 is not divisible by mesh.expert=4"):
+        TrainingSession(functional(run.model), run, checkpoints=None)

@@ -13,7 +13,7 @@ from tiny import tiny_vision_run
 import m3jax
 from m3jax.convert.layout import leaf_shapes, nested
 from m3jax.model import functional
-from m3jax.vision_inputs import grid_positions, pack_vision_inputs
+from m3jax.vision_inputs import from_packed_rows, grid_positions, pack_vision_inputs
 
 IMAGE, VIDEO = 270, 271
 CONFIG = tiny_vision_run().model
@@ -52,10 +52,11 @@ def test_pack_vision_inputs_orders_images_then_videos_batch_major():
     expected[0, 1], expected[1, 5] = 4, 5
     np.testing.assert_array_equal(packed.token_index, expected)
     np.testing.assert_array_equal(
-        packed.segment_ids, [1] * 8 + [2] * 8 + [3] * 4 + [4] * 4 + [0] * 4
+        packed.segment_ids,
+        [[1] * 8 + [2] * 8 + [3] * 4 + [4] * 4 + [0] * 4],  # one patch row
     )
-    assert packed.patches.shape == (28, 1176) and not packed.patches[24:].any()
-    np.testing.assert_array_equal(packed.patches[16:20], pixels(video_grid, 1)[:4])
+    assert packed.patches.shape == (1, 28, 1176) and not packed.patches[0, 24:].any()
+    np.testing.assert_array_equal(packed.patches[0, 16:20], pixels(video_grid, 1)[:4])
 
 
 @pytest.mark.parametrize(
@@ -127,3 +128,39 @@ def test_model_text_only_rejects_pixels_and_vision_model_rejects_lonely_placehol
                       np.array([[IMAGE, IMAGE]]), pixels(grid), grid)  # fmt: skip
     with pytest.raises(ValueError, match="2 image placeholder tokens"):
         m3jax.forward(CONFIG, weights, np.array([[IMAGE, IMAGE, 3]]))
+
+
+def test_training_rows_layout_gives_the_same_embeddings_as_one_packed_row(weights):
+    """from_packed_rows (one patch row per training row, row-local feature indices, as the data
+    pipeline delivers) and pack_vision_inputs (everything in one row) embed identically."""
+    grid_a, grid_b = np.array([[1, 2, 4]]), np.array([[2, 2, 2]])  # an image; a 2-frame video
+    pixels_a, pixels_b = pixels(grid_a, 3), pixels(grid_b, 4)
+    ids = np.array([[5, IMAGE, IMAGE, 6, 7, 8], [9, 10, VIDEO, VIDEO, 11, 12]])
+    budget = 16
+    one_row = pack_vision_inputs(
+        ids, VISION, pixel_values=pixels_a, image_grid_thw=grid_a, pixel_values_videos=pixels_b,
+        video_grid_thw=grid_b,
+    )  # fmt: skip
+
+    def row(pixel_rows, grid):
+        pad = budget - len(pixel_rows)
+        return (
+            np.pad(pixel_rows, ((0, pad), (0, 0))),
+            np.pad(grid_positions(grid, 2), ((0, pad), (0, 0))),
+            np.pad(np.ones(len(pixel_rows), np.int32), (0, pad)),
+        )
+
+    (patches_a, positions_a, segments_a), (patches_b, positions_b, segments_b) = (
+        row(pixels_a, grid_a), row(pixels_b, grid_b)
+    )  # fmt: skip
+    feature_index = np.full(ids.shape, -1, np.int32)
+    feature_index[0, 1:3], feature_index[1, 2:4] = [0, 1], [0, 1]  # row-local merged rows
+    rows = from_packed_rows(
+        np.stack([patches_a, patches_b]), np.stack([positions_a, positions_b]),
+        np.stack([segments_a, segments_b]), feature_index, merge_size=2,
+    )  # fmt: skip
+    model = functional(CONFIG)
+    expected = model.embeddings(weights["params"], weights["buffers"], ids, one_row)
+    got = model.embeddings(weights["params"], weights["buffers"], ids, rows)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    assert np.abs(np.asarray(got[0, 1]) - np.asarray(got[0, 0])).max() > 1e-3  # features landed

@@ -53,8 +53,11 @@ def test_train_loss_falls_on_shakespeare(tmp_path):
         "lr",
         "tokens_per_s",
         "expert_imbalance",
+        "expert_imbalance_layer1",
+        "moe_idle_experts",
         "balance_loss",
     } <= set(records[-1])
+    assert "moe_dropped_fraction" not in records[-1]  # dropless: nothing to drop
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -171,3 +174,27 @@ def test_train_refuses_a_run_dir_of_another_model(tmp_path, capsys):
     config = write_config(tmp_path, tiny_run(model={"hidden_size": 64}))
     assert main(["--config", str(config), "--run-dir", str(tmp_path / "run")]) == 2
     assert "holds a run with model.hidden_size=32, not 64" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys):
+    """m3-train on 4 fake devices: experts over mesh.expert=2 (ragged exchange, then capacity
+    buffers large enough to drop nothing) reproduce the losses of plain data parallelism."""
+    config = write_config(tmp_path, tiny_run(train={"steps": 3}))
+
+    def losses(name, *overrides):
+        assert main(["--config", str(config), "--run-dir", str(tmp_path / name), *overrides]) == 0
+        return read_metrics(tmp_path / name / "metrics.jsonl")
+
+    reference = losses("data4", "mesh.data=4")
+    expert_parallel = losses("expert2", "mesh.data=2", "mesh.expert=2")
+    assert "'expert': 2" in capsys.readouterr().out
+    capacity = losses(
+        "capacity", "mesh.data=2", "mesh.expert=2", "model.moe.dispatch=capacity",
+        "model.moe.capacity_factor=2.0",  # C = ⌈2 · 32·2 / 4⌉ = 32 = tokens per device
+    )  # fmt: skip
+    for records in (expert_parallel, capacity):
+        np.testing.assert_allclose(
+            [r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5
+        )
+    assert [r["moe_dropped_fraction"] for r in capacity] == [0.0, 0.0, 0.0]

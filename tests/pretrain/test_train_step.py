@@ -86,3 +86,18 @@ def test_padding_changes_neither_loss_nor_router_statistics():
     np.testing.assert_allclose(
         padded_metrics["expert_imbalance"], metrics["expert_imbalance"], rtol=1e-6
     )
+
+
+def test_capacity_dispatch_reports_the_dropped_fraction():
+    """Capacity ⌈0.5 · 64·2 / 4⌉ = 16 rows per expert for 128 (token, expert) pairs: a quarter of
+    the slots of a perfectly balanced router, so at least half the pairs are dropped."""
+    model, run, step, state = setup(model={"moe": {"dispatch": "capacity", "capacity_factor": 0.5}})
+    _, stats = model.apply(
+        state["params"],
+        state["buffers"],
+        *(make_batch()[k] for k in ("tokens", "positions", "segment_ids")),
+    )
+    expected = float(np.asarray(stats[1]["moe"]["dropped_fraction"]).mean())
+    _, metrics = step(state, make_batch())
+    assert expected >= 0.5
+    np.testing.assert_allclose(float(metrics["moe_dropped_fraction"]), expected, rtol=1e-6)

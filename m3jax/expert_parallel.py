@@ -1,0 +1,255 @@
+"""Expert parallelism: routed experts sharded over the `expert` mesh axis, tokens exchanged.
+
+Inside `jax.shard_map` over the whole mesh each device holds a shard of the tokens (rows over the
+`batch` axes data, fsdp, expert; sequence over `seq`: the RULES of m3jax/sharding.py) and E/P of
+the experts (P = size of the `expert` axis; device p owns experts p·E/P … (p+1)·E/P - 1). Each
+device sorts its (token, expert) rows by expert exactly as on one device (moe_dispatch.py); only
+the expert FFN is replaced by: send rows to the devices owning their experts -> local FFN ->
+send results back. Routing, the shared expert and attention stay outside: for them the expert
+axis is one more data-parallel axis, and the router statistics (computed outside) are global.
+
+Exchanges, by `model.moe.dispatch`:
+- dropless: `jax.lax.ragged_all_to_all` of exactly the rows each device needs (exact, no drops).
+  The receive buffer has a static size, the worst case P · N · min(k, E/P) rows (every token of
+  every device picking this device's experts). XLA:CPU does not implement ragged-all-to-all
+  (jax 0.11.2: "UNIMPLEMENTED: HLO opcode `ragged-all-to-all`"): on the CPU backend an
+  all_gather-based equivalent with the same arguments and result runs instead.
+- capacity: `jax.lax.all_to_all` of the fixed [E, C, D] capacity buffers (C per expert and source
+  device, moe_dispatch.capacity over the device's N tokens), one batched einsum over the
+  [E/P, P·C, D] buffers received, the same all_to_all back. Rows past C are dropped and counted.
+Gradients come from autodiff through the collectives (their transposes are the reverse exchanges).
+Inside the map the expert weights are whole along D and F: fsdp/tensor shards are gathered on entry,
+and with mesh.tensor > 1 every tensor rank repeats its group's expert work (no tensor parallelism
+inside the experts yet).
+
+Shapes: B batch, S sequence, N = B·S tokens on a device, k experts per token, R = N·k rows,
+D model width, E experts (all), P expert-parallel devices, C capacity.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from m3jax import sharding
+from m3jax.moe_dispatch import (
+    Activation,
+    ExpertFFN,
+    ExpertWeights,
+    local_ffn,
+    sorted_experts,
+)
+
+EXPERT_AXIS = "expert"
+
+
+def routed_experts(
+    mesh: Mesh,
+    x: jax.Array,
+    chosen: jax.Array,
+    weights: jax.Array,
+    experts: ExpertWeights,
+    activation: Activation,
+    *,
+    dispatch: str,
+    capacity_factor: float,
+) -> tuple[jax.Array, jax.Array]:
+    """The routed experts with tokens and experts spread over `mesh` (any axis sizes).
+
+    Args:
+      x: [B, S, D] tokens; chosen: [B, S, k] expert ids; weights: [B, S, k] fp32 routing weights.
+      experts: all E experts' weights ([E, D, F], [E, D, F], [E, F, D]) in x's dtype.
+      dispatch: "dropless" or "capacity" (see the module docstring).
+    Returns:
+      routed output [B, S, D] (before routed_scaling) and the global number of dropped rows.
+    """
+    rules = dict(sharding.RULES)
+    batch_axes, seq_axes = rules["batch"], rules["seq"]
+    _check_divisible(mesh, x.shape, experts.gate.shape[0], batch_axes, seq_axes)
+    tokens = PartitionSpec(batch_axes, seq_axes)
+    on_device = functools.partial(
+        _routed_on_device,
+        activation=activation,
+        dispatch=dispatch,
+        capacity_factor=capacity_factor,
+        token_axes=(*batch_axes, *seq_axes),
+        emulate_ragged=_lacks_ragged_all_to_all(mesh),
+    )
+    return jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, PartitionSpec(EXPERT_AXIS)),
+        out_specs=(tokens, PartitionSpec()),
+    )(x, chosen, weights, experts)
+
+
+def _lacks_ragged_all_to_all(mesh: Mesh) -> bool:
+    """XLA:CPU has no ragged-all-to-all (jax 0.11.2); GPU and TPU do."""
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+def _check_divisible(mesh: Mesh, shape: tuple, num_experts: int, batch_axes, seq_axes) -> None:
+    if EXPERT_AXIS not in batch_axes:
+        raise ValueError(f"expert parallelism needs tokens split over {EXPERT_AXIS!r} too")
+    if num_experts % mesh.shape[EXPERT_AXIS]:
+        raise ValueError(
+            f"moe.num_experts={num_experts} is not divisible by "
+            f"mesh.expert={mesh.shape[EXPERT_AXIS]}"
+        )
+    for dim, axes, what in ((0, batch_axes, "batch rows"), (1, seq_axes, "sequence length")):
+        parts = math.prod(mesh.shape[a] for a in axes)
+        if shape[dim] % parts:
+            raise ValueError(
+                f"MoE on mesh {dict(mesh.shape)}: {what} {shape[dim]} are not divisible by "
+                f"the mesh axes {axes} (size {parts})"
+            )
+
+
+def _routed_on_device(
+    x: jax.Array,
+    chosen: jax.Array,
+    weights: jax.Array,
+    experts: ExpertWeights,
+    *,
+    activation: Activation,
+    dispatch: str,
+    capacity_factor: float,
+    token_axes: tuple[str, ...],
+    emulate_ragged: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """One device's shard: x [B/…, S/…, D], chosen and weights [.., .., k]; E/P local experts."""
+    shape, k = x.shape, chosen.shape[-1]
+    parts = jax.lax.axis_size(EXPERT_AXIS)
+    local_experts = experts.gate.shape[0]
+    num_tokens = math.prod(shape[:-1])
+    ffn = local_ffn(experts, activation)
+    if parts > 1:
+        ffn = ExpertFFN(
+            grouped=functools.partial(
+                _ragged_exchange,
+                local=ffn.grouped,
+                rows_per_source=num_tokens * min(k, local_experts),
+                emulate=emulate_ragged,
+            ),
+            batched=functools.partial(_capacity_exchange, local=ffn.batched),
+        )
+    routed, dropped = sorted_experts(
+        x.reshape(num_tokens, shape[-1]),
+        chosen.reshape(num_tokens, k),
+        weights.reshape(num_tokens, k),
+        local_experts * parts,
+        ffn,
+        dispatch=dispatch,
+        capacity_factor=capacity_factor,
+    )
+    if dispatch == "capacity":
+        dropped = jax.lax.psum(dropped, token_axes)
+    return routed.reshape(shape), dropped
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _ragged_exchange(
+    x_sorted: jax.Array, group_sizes: jax.Array, *, local, rows_per_source: int, emulate: bool
+) -> jax.Array:
+    """Rows [R, D] sorted by (global) expert -> their experts' outputs [R, D], across devices.
+
+    group_sizes: [E] this device's rows per expert. Device p receives, from each source s in
+    turn, the rows s holds for p's experts (sorted by expert), regroups them expert-major for the
+    grouped matmul, and returns each result to the place it came from.
+    """
+    parts = jax.lax.axis_size(EXPERT_AXIS)
+    counts = group_sizes.reshape(parts, -1)  # [P, E/P]: rows for device p's local expert j
+    send_sizes = counts.sum(1)
+    send_offsets = _exclusive_cumsum(send_sizes)
+    recv_counts = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)  # [P(source), E/P]
+    recv_sizes = recv_counts.sum(1)
+    recv_offsets = _exclusive_cumsum(recv_sizes)
+    # Where my rows land in each receiver's buffer, and where each source keeps its rows for me.
+    remote_recv_offsets = jax.lax.all_to_all(recv_offsets, EXPERT_AXIS, 0, 0, tiled=True)
+    remote_send_offsets = jax.lax.all_to_all(send_offsets, EXPERT_AXIS, 0, 0, tiled=True)
+    exchange = _ragged_all_to_all_by_gather if emulate else _ragged_all_to_all
+    # zeros_like, not zeros: the buffer must vary over the mesh axes as the rows do, since
+    # ragged_all_to_all types its result like `output`; typed invariant, the received rows would
+    # get an implicit pvary whose transpose sums their gradient over devices.
+    buffer = jnp.zeros_like(x_sorted, shape=(parts * rows_per_source, x_sorted.shape[1]))
+    received = exchange(x_sorted, buffer, send_offsets, send_sizes, remote_recv_offsets, recv_sizes)
+    position = expert_major_positions(recv_counts, buffer.shape[0])
+    grouped = jnp.zeros_like(received).at[position].set(received, unique_indices=True)
+    y = local(grouped, recv_counts.sum(0))[position]  # back to the order received
+    return exchange(
+        y, jnp.zeros_like(x_sorted), recv_offsets, recv_sizes, remote_send_offsets, send_sizes
+    )
+
+
+def expert_major_positions(recv_counts: jax.Array, num_rows: int) -> jax.Array:
+    """Where each received row goes when regrouped from source-major to expert-major order.
+
+    recv_counts: [P, E_local], rows from source s for local expert j; the buffer holds the blocks
+    (s, j) back to back in source-major order, then padding. Returns [num_rows] int32, a
+    permutation: the row of block (s, j) at offset r goes to start_j + Σ_{s'<s} counts[s', j] + r;
+    padding rows stay where they are (after every real row).
+    """
+    blocks = recv_counts.reshape(-1)
+    block_end = jnp.cumsum(blocks)
+    group_start = _exclusive_cumsum(recv_counts.sum(0))  # [E_local]
+    target = (group_start[None, :] + _exclusive_cumsum(recv_counts, axis=0)).reshape(-1)
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    block = jnp.searchsorted(block_end, row, side="right")  # == P·E_local for padding rows
+    last = blocks.shape[0] - 1
+    within = row - (block_end - blocks)[jnp.minimum(block, last)]
+    return jnp.where(block <= last, target[jnp.minimum(block, last)] + within, row).astype(
+        jnp.int32
+    )
+
+
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+    return jax.lax.ragged_all_to_all(
+        operand,
+        output,
+        input_offsets,
+        send_sizes,
+        output_offsets,
+        recv_sizes,
+        axis_name=EXPERT_AXIS,
+    )
+
+
+def _ragged_all_to_all_by_gather(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+):
+    """`jax.lax.ragged_all_to_all`'s result, built from all_gathers (for XLA:CPU, which lacks it).
+
+    Every device gathers every operand (P times the traffic) and scatters the slices addressed to
+    it: source s's rows input_offsets[s][me] … + send_sizes[s][me] land at output_offsets[s][me].
+    """
+    del recv_sizes  # implied by the senders' send_sizes
+    me = jax.lax.axis_index(EXPERT_AXIS)
+    operands = jax.lax.all_gather(operand, EXPERT_AXIS)  # [P, M_in, ...]
+    start, size, dest = (
+        jax.lax.all_gather(a, EXPERT_AXIS)[:, me]  # [P]: what each source sends me
+        for a in (input_offsets, send_sizes, output_offsets)
+    )
+    row = jnp.arange(operand.shape[0])
+    inside = (row[None] >= start[:, None]) & (row[None] < (start + size)[:, None])
+    target = jnp.where(inside, dest[:, None] + row[None] - start[:, None], output.shape[0])
+    flat = operands.reshape(-1, *operand.shape[1:])
+    return output.at[target.reshape(-1)].set(flat, mode="drop")
+
+
+def _capacity_exchange(buffers: jax.Array, *, local) -> jax.Array:
+    """[E, C, D] capacity buffers -> the experts' outputs [E, C, D], across devices."""
+    parts = jax.lax.axis_size(EXPERT_AXIS)
+    num_experts, size, dim = buffers.shape
+    local_experts = num_experts // parts
+    sent = buffers.reshape(parts, local_experts * size, dim)
+    received = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True)  # [P(source), E/P·C, D]
+    received = received.reshape(parts, local_experts, size, dim).transpose(1, 0, 2, 3)
+    y = local(received.reshape(local_experts, parts * size, dim))
+    y = y.reshape(local_experts, parts, size, dim).transpose(1, 0, 2, 3)
+    y = jax.lax.all_to_all(y.reshape(parts, -1, dim), EXPERT_AXIS, 0, 0, tiled=True)
+    return y.reshape(num_experts, size, dim)

@@ -1,0 +1,1 @@
+"""Mixture-of-experts kernels: the grouped matmul of rows sorted by expert."""

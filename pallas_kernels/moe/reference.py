@@ -1,0 +1,37 @@
+"""Grouped matmul for MoE: rows sorted by expert, each group multiplied by its expert's weight.
+
+This file owns the signature that every implementation (XLA's `ragged_dot` here; a GPU kernel
+later, beside it as `kernel.py`) keeps: `grouped_matmul(x_sorted, w, group_sizes)`. Gradients come
+from autodiff: `ragged_dot`'s transpose rules give dX (a grouped matmul with wᵀ) and dW (a
+per-group xᵀ·dY); a kernel may replace them with a `custom_vjp` behind the same signature.
+
+Shapes: M rows (token copies, sorted by expert), D input width, F output width, E experts (groups).
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """y[i] = x_sorted[i] @ w[e(i)], where rows of expert e are the e-th run of `group_sizes` rows.
+
+    Args:
+      x_sorted: [M, D] rows, the first group_sizes[0] for expert 0, the next for expert 1, ...
+      w: [E, D, F] one weight matrix per expert.
+      group_sizes: [E] int32 rows per expert; sum(group_sizes) <= M.
+    Returns:
+      [M, F] in x_sorted's dtype. Rows past sum(group_sizes) (padding) are zero.
+    """
+    return jax.lax.ragged_dot(x_sorted, w, group_sizes.astype(jnp.int32))
+
+
+def grouped_matmul_loop(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The same product, one masked dense matmul per expert: E times the work, for tests only."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    row = jnp.arange(x_sorted.shape[0])
+    y = jnp.zeros((x_sorted.shape[0], w.shape[-1]), x_sorted.dtype)
+    for e in range(w.shape[0]):
+        inside = ((row >= starts[e]) & (row < ends[e]))[:, None]
+        y = y + jnp.where(inside, x_sorted @ w[e], 0).astype(y.dtype)
+    return y

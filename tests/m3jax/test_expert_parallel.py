@@ -1,0 +1,202 @@
+"""Expert parallelism: the MoE block sharded over the `expert` mesh axis equals the one-device block.
+
+Outputs, gradients (router, experts, shared expert, input) and router statistics, float32, with
+uneven loads and an idle expert (moe_cases.skewed_bias). With 8 experts over 8 devices the last
+device owns only the idle expert and receives no rows. The suite runs on 4 fake devices
+(conftest.py); the 8-device cases run again in a subprocess with 8
+(`test_expert_parallel_on_8_devices`). On CPU the ragged exchange runs through the all_gather
+emulation of `ragged_all_to_all` (XLA:CPU has no ragged-all-to-all); the emulation is checked
+against the example in jax's own documentation.
+"""
+
+import functools
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import REPO
+from flax import nnx
+from jax.sharding import PartitionSpec
+from moe_cases import B, assert_trees_close, inputs, moe_config, random_state, run
+
+from m3jax import expert_parallel, sharding
+from m3jax.moe import MoE
+
+MESHES = {
+    "ep2": {"expert": 2},
+    "ep4": {"expert": 4},
+    "ep8": {"expert": 8},
+    "ep2-data2": {"data": 2, "expert": 2},
+    "ep2-fsdp2": {"fsdp": 2, "expert": 2},
+    "ep2-seq2": {"expert": 2, "seq": 2},
+    "ep2-tensor2": {"expert": 2, "tensor": 2},
+}
+NO_DROPS = 4.0  # capacity factor with C = ⌈4 · N·2 / 8⌉ = N on every device: nothing drops
+
+
+def mesh_of(name: str):
+    sizes = MESHES[name]
+    devices = math.prod(sizes.values())
+    if jax.device_count() < devices:
+        pytest.skip(f"needs {devices} devices (test_expert_parallel_on_8_devices runs it)")
+    return sharding.make_mesh(sizes, devices=jax.devices()[:devices])
+
+
+@functools.cache
+def one_device(dispatch: str, factor: float):
+    config = moe_config(dispatch=dispatch, capacity_factor=factor)
+    return run(config, random_state(config), *inputs())
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_expert_parallel_equals_one_device(mesh_name, dispatch):
+    mesh = mesh_of(mesh_name)
+    config = moe_config(dispatch=dispatch, capacity_factor=NO_DROPS)
+    out, stats, grads = run(config, random_state(config), *inputs(), mesh=mesh)
+    out_ref, stats_ref, grads_ref = one_device(dispatch, NO_DROPS)
+    assert_trees_close(out, out_ref, err_msg=mesh_name)
+    assert_trees_close(grads, grads_ref, err_msg=mesh_name)
+    # Router statistics are global (computed outside the shard_map): what the bias update needs.
+    np.testing.assert_array_equal(stats["load"], stats_ref["load"])
+    np.testing.assert_allclose(stats["score_share"], stats_ref["score_share"], rtol=1e-6)
+    assert float(stats["dropped_fraction"]) == 0.0
+    assert np.asarray(stats["load"])[-1] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_name", ["ep2", "ep4", "ep8"])
+def test_expert_parallel_capacity_drops_as_each_device_alone(mesh_name):
+    """Capacity is per (device, expert): EP equals the one-device block run on each token shard."""
+    mesh = mesh_of(mesh_name)
+    parts = mesh.shape["expert"]
+    config = moe_config(dispatch="capacity", capacity_factor=1.0)
+    state, (x, mask, cotangent) = random_state(config), inputs()
+    out, stats, grads = run(config, state, x, mask, cotangent, mesh=mesh)
+
+    rows = B // parts  # tokens are split over the expert axis by batch row
+    shards = [
+        run(config, state, *(a[i * rows : (i + 1) * rows] for a in (x, mask, cotangent)))
+        for i in range(parts)
+    ]
+    dropped = np.mean([float(s[1]["dropped_fraction"]) for s in shards])
+    assert dropped > 0.05  # the skewed router overflows experts 0 and 1
+    np.testing.assert_allclose(float(stats["dropped_fraction"]), dropped, rtol=1e-6)
+    assert_trees_close(out, jnp.concatenate([s[0] for s in shards]))
+    state_grads = jax.tree.map(lambda *g: sum(g), *[s[2]["state"] for s in shards])
+    assert_trees_close(grads["state"], state_grads)
+    assert_trees_close(grads["x"], jnp.concatenate([s[2]["x"] for s in shards]))
+
+
+def test_expert_parallel_rejects_experts_that_do_not_divide_the_axis():
+    mesh = mesh_of("ep4")
+    config = moe_config(num_experts=6)
+    with pytest.raises(ValueError, match="moe.num_experts=6 is not divisible by mesh.expert=4"):
+        run(config, random_state(config), *inputs(), mesh=mesh)
+
+
+def test_ragged_all_to_all_emulation_matches_the_documented_example():
+    """The example in `jax.lax.ragged_all_to_all`'s docstring, on 2 devices."""
+    mesh = sharding.make_mesh({"expert": 2}, devices=jax.devices()[:2])
+    args = {
+        "operand": [[1, 2, 2], [3, 4, 0]],
+        "output": [[0, 0, 0, 0], [0, 0, 0, 0]],
+        "input_offsets": [[0, 1], [0, 1]],
+        "send_sizes": [[1, 2], [1, 1]],
+        "output_offsets": [[0, 0], [1, 2]],
+        "recv_sizes": [[1, 1], [2, 1]],
+    }
+    args = [jnp.asarray(v, jnp.float32 if k in ("operand", "output") else jnp.int32).reshape(-1)
+            for k, v in args.items()]  # fmt: skip
+    emulated = jax.jit(
+        jax.shard_map(
+            expert_parallel._ragged_all_to_all_by_gather,
+            mesh=mesh,
+            in_specs=PartitionSpec("expert"),
+            out_specs=PartitionSpec("expert"),
+        )
+    )(*args)
+    np.testing.assert_array_equal(emulated, [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+def _equations(jaxpr) -> list:
+    """Every equation of a jaxpr, those of nested jaxprs (shard_map, scan, ...) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _equations(sub)
+    return found
+
+
+def _gradient_equations(mesh) -> list:
+    config = moe_config()
+    state, (x, mask, cotangent) = random_state(config), inputs()
+
+    def loss(state, x):
+        graphdef, module_state = nnx.split(
+            nnx.eval_shape(lambda: MoE(config, rngs=nnx.Rngs(0), mesh=mesh))
+        )
+        nnx.replace_by_pure_dict(module_state, state)
+        return (nnx.merge(graphdef, module_state)(x, mask)[0] * cotangent).sum()
+
+    return _equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x).jaxpr)
+
+
+def test_real_ragged_all_to_all_path_differentiates_like_the_emulation(monkeypatch):
+    """The GPU path (jax.lax.ragged_all_to_all) cannot run on CPU, but it can be traced: its
+    results must vary over the mesh axes like the rows sent (else autodiff inserts a psum of their
+    gradient over the devices), and its gradient must hold the emulation's reductions, no more."""
+    mesh = mesh_of("ep2-data2")
+    psums = {}
+    for emulate in (True, False):
+        monkeypatch.setattr(expert_parallel, "_lacks_ragged_all_to_all", lambda _, e=emulate: e)
+        equations = _gradient_equations(mesh)
+        psums[emulate] = sorted(
+            (str(e.params["axes"]), e.invars[0].aval.shape)
+            for e in equations
+            if e.primitive.name.startswith("psum")
+        )
+        ragged = [e for e in equations if e.primitive.name == "ragged_all_to_all"]
+        assert len(ragged) == (0 if emulate else 4)  # there and back, forward and backward
+        for e in ragged:
+            assert "expert" in e.outvars[0].aval.mat.varying
+            assert e.outvars[0].aval.mat.varying == e.invars[0].aval.mat.varying
+    assert psums[False] == psums[True]
+    assert len(psums[True]) == 3  # the expert weights' gradients, summed over the token axes
+
+
+def test_expert_major_positions_regroup_source_major_blocks():
+    # 3 sources, 2 local experts; buffer: (s0,e0) row 0 | (s0,e1) rows 1-2 | (s1,e1) row 3 |
+    # (s2,e0) rows 4-5 | padding 6-7. Expert-major: e0 <- rows 0, 4, 5; e1 <- rows 1, 2, 3.
+    counts = jnp.asarray([[1, 2], [0, 1], [2, 0]], jnp.int32)
+    positions = expert_parallel.expert_major_positions(counts, 8)
+    np.testing.assert_array_equal(positions, [0, 3, 4, 5, 1, 2, 6, 7])
+
+
+@pytest.mark.slow
+def test_expert_parallel_on_8_devices():
+    if jax.device_count() >= 8:
+        pytest.skip("8 devices here: the ep8 cases ran in this process")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
+    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "ep8"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0 and "skipped" not in result.stdout, result.stdout + result.stderr
+    assert re.search(r"\b3 passed", result.stdout), result.stdout

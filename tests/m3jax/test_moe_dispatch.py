@@ -1,0 +1,90 @@
+"""MoE dispatch modes on one device: dropless and capacity equal the dense reference (outputs and
+gradients, router included) when nothing drops; capacity drops the latest tokens and counts them."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from moe_cases import assert_trees_close, inputs, moe_config, random_state, run, with_moe
+
+from m3jax.moe_dispatch import capacity, sort_rows
+
+
+def test_capacity_is_factor_times_fair_share_clipped_to_tokens():
+    assert capacity(48, 2, 8, 1.0) == 12
+    assert capacity(48, 2, 8, 1.25) == 15
+    assert capacity(10, 2, 8, 1.0) == 3  # ⌈2.5⌉
+    assert capacity(48, 2, 8, 100.0) == 48  # an expert gets at most one row per token
+    assert capacity(4, 1, 64, 0.01) == 1
+
+
+def test_sort_rows_groups_by_expert_in_token_order():
+    chosen = jnp.asarray([[2, 0], [0, 1], [2, 1], [0, 2]])  # [N=4, k=2]
+    rows = sort_rows(chosen, num_experts=4)
+    # rows are token · k + choice: expert 0 <- rows 1, 2, 6; expert 1 <- 3, 5; expert 2 <- 0, 4, 7
+    np.testing.assert_array_equal(rows.order, [1, 2, 6, 3, 5, 0, 4, 7])
+    np.testing.assert_array_equal(rows.expert_ids, [0, 0, 0, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(rows.group_sizes, [3, 2, 3, 0])
+
+
+def test_dispatch_modes_agree_with_dense_when_nothing_drops():
+    config = moe_config()
+    state, (x, mask, cotangent) = random_state(config), inputs()
+    out, stats, grads = run(with_moe(config, dispatch="dense"), state, x, mask, cotangent)
+    load = np.asarray(stats["load"])
+    assert load[-1] == 0 and load.max() > 2 * load.mean()  # uneven, one expert idle
+    assert np.abs(np.asarray(grads["state"]["router"])).max() > 0
+    for dispatch, factor in (("dropless", 1.0), ("capacity", 4.0)):  # C = ⌈4 · N·2 / 8⌉ = N
+        variant = with_moe(config, dispatch=dispatch, capacity_factor=factor)
+        out_v, stats_v, grads_v = run(variant, state, x, mask, cotangent)
+        assert_trees_close(out_v, out, err_msg=dispatch)
+        assert_trees_close(grads_v, grads, err_msg=dispatch)
+        np.testing.assert_array_equal(stats_v["load"], stats["load"])
+        np.testing.assert_allclose(stats_v["score_share"], stats["score_share"], rtol=1e-6)
+        assert float(stats_v["dropped_fraction"]) == 0.0
+
+
+def test_capacity_drops_the_latest_tokens_of_a_full_expert():
+    """6 tokens, 2 experts, top-1, capacity ⌈1.0 · 6 / 2⌉ = 3. A one-hot router sends tokens
+    0, 2, 3, 5 to expert 0 and 1, 4 to expert 1: expert 0 keeps 0, 2, 3 and drops token 5."""
+    config = moe_config(
+        num_experts=2, experts_per_token=1, dispatch="capacity", capacity_factor=1.0
+    )
+    state = random_state(config)
+    state["correction_bias"] = jnp.zeros(2)
+    state["router"] = jnp.zeros((8, 2)).at[0, 0].set(10.0).at[1, 1].set(10.0)
+    experts = np.array([0, 1, 0, 0, 1, 0])
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 0.1, (1, 6, 8))
+    x[0, np.arange(6), experts] = 1.0  # channel e large -> expert e
+    x, mask = jnp.asarray(x, jnp.float32), jnp.ones((1, 6), bool)
+    cotangent = jnp.ones_like(x)
+
+    out, stats, grads = run(config, state, x, mask, cotangent)
+    reference, _, _ = run(with_moe(config, dispatch="dense"), state, x, mask, cotangent)
+    no_routed, _, _ = run(with_moe(config, routed_scaling=0.0), state, x, mask, cotangent)
+    np.testing.assert_array_equal(stats["load"], [4, 2])
+    np.testing.assert_allclose(float(stats["dropped_fraction"]), 1 / 6)
+    np.testing.assert_allclose(out[0, :5], reference[0, :5], rtol=1e-6)
+    np.testing.assert_allclose(out[0, 5], no_routed[0, 5], rtol=1e-6)  # shared expert only
+    assert np.abs(np.asarray(out[0, 5] - reference[0, 5])).max() > 1e-2
+    # The dropped token sends no gradient to expert 0's weights; a kept one does.
+    _, _, grads_without_5 = run(config, state, x, mask, cotangent.at[0, 5].set(0.0))
+    np.testing.assert_allclose(
+        grads["state"]["gate_proj"], grads_without_5["state"]["gate_proj"], rtol=1e-6
+    )
+
+    larger = with_moe(config, capacity_factor=4 / 3)  # C = 4: nothing drops
+    out, stats, _ = run(larger, state, x, mask, cotangent)
+    assert float(stats["dropped_fraction"]) == 0.0
+    np.testing.assert_allclose(out, reference, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_dispatch_bfloat16_stays_close_to_float32(dispatch):
+    config = moe_config(dispatch=dispatch, capacity_factor=4.0)
+    state, (x, mask, cotangent) = random_state(config), inputs()
+    out32, _, _ = run(config, state, x, mask, cotangent)
+    out16, _, _ = run(config, state, x.astype(jnp.bfloat16), mask, cotangent)
+    assert out16.dtype == jnp.bfloat16
+    scale = float(jnp.abs(out32).max())
+    assert float(jnp.abs(out16.astype(jnp.float32) - out32).max()) < 3e-2 * scale
