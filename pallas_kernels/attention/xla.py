@@ -42,16 +42,14 @@ def dense_attention(
     num_kv_heads = k.shape[2]
     tile = min(query_tile, seq)
     num_tiles = -(-seq // tile)
-    q_tiles = _tiles(q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim), tile)
-    segment_tiles = _tiles(segment_ids, tile, fill=-1)  # padded queries match no key
-    student_tiles = None if student is None else _tiles(student[0], tile)
+    q_tiles = grouped_query_tiles(q, num_kv_heads, tile)
+    segment_tiles = query_tiles(segment_ids, tile, fill=-1)  # padded queries match no key
+    student_tiles = None if student is None else query_tiles(student[0], tile)
 
     def attend_tile(args):
         index, q_tile, segment_tile, student_q = args
         slots = index * tile + jnp.arange(tile)
-        visible = (jnp.arange(seq)[None, None, :] <= slots[None, :, None]) & (
-            segment_ids[:, None, :] == segment_tile[:, :, None]
-        )  # [B, Tq, T]
+        visible = visible_keys(slots, segment_tile, segment_ids)  # [B, Tq, T]
         logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1)
@@ -69,8 +67,8 @@ def dense_attention(
         jax.checkpoint(attend_tile, prevent_cse=False),
         (tile_ids, q_tiles, segment_tiles, student_tiles),
     )
-    out = _untile(out, seq).reshape(batch, seq, num_heads, head_dim)
-    return out, None if kl is None else _untile(kl, seq)
+    out = untile(out, seq).reshape(batch, seq, num_heads, head_dim)
+    return out, None if kl is None else untile(kl, seq)
 
 
 def distillation_kl(teacher: jax.Array, student_logits: jax.Array, visible: jax.Array) -> jax.Array:
@@ -85,7 +83,21 @@ def distillation_kl(teacher: jax.Array, student_logits: jax.Array, visible: jax.
     return jnp.where(visible, terms, 0.0).sum(axis=-1)
 
 
-def _tiles(x: jax.Array, tile: int, fill=0) -> jax.Array:
+def visible_keys(slots: jax.Array, segment_tile: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """[B, Tq, T] bool: key j is visible to the query in slot `slots[q]` iff j <= slot and both are
+    in the same document. slots: [Tq]; segment_tile: [B, Tq]; segment_ids: [B, T]."""
+    causal = jnp.arange(segment_ids.shape[1])[None, None, :] <= slots[None, :, None]
+    return causal & (segment_ids[:, None, :] == segment_tile[:, :, None])
+
+
+def grouped_query_tiles(q: jax.Array, num_kv_heads: int, tile: int) -> jax.Array:
+    """q [B, S, H, Dh] -> [num_tiles, B, tile, K, G, Dh]: the G query heads of each kv head together."""
+    batch, seq, num_heads, head_dim = q.shape
+    grouped = q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    return query_tiles(grouped, tile)
+
+
+def query_tiles(x: jax.Array, tile: int, fill=0) -> jax.Array:
     """[B, S, ...] -> [num_tiles, B, tile, ...], padding S with `fill`."""
     seq = x.shape[1]
     pad = -seq % tile
@@ -94,7 +106,7 @@ def _tiles(x: jax.Array, tile: int, fill=0) -> jax.Array:
     return jnp.moveaxis(x, 1, 0)
 
 
-def _untile(x: jax.Array, seq: int) -> jax.Array:
+def untile(x: jax.Array, seq: int) -> jax.Array:
     """[num_tiles, B, tile, ...] -> [B, S, ...]."""
     x = jnp.moveaxis(x, 0, 1)
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :seq]

@@ -18,7 +18,14 @@ Dh head dim, Di index head dim, Tq query tile, k = selected blocks per query.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.xla import NEG_INF, _tiles, _untile, distillation_kl
+from pallas_kernels.attention.xla import (
+    NEG_INF,
+    distillation_kl,
+    grouped_query_tiles,
+    query_tiles,
+    untile,
+    visible_keys,
+)
 
 
 def top_blocks(
@@ -47,9 +54,7 @@ def top_blocks(
         index, q_tile, segment_tile, position_tile = args
         slots = index * tile + jnp.arange(tile)
         scores = jnp.einsum("bqhd,btd->bqht", q_tile, index_k, preferred_element_type=jnp.float32)
-        visible = (jnp.arange(seq)[None, None, :] <= slots[None, :, None]) & (
-            segment_ids[:, None, :] == segment_tile[:, :, None]
-        )
+        visible = visible_keys(slots, segment_tile, segment_ids)
         scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
         block_scores = scores.reshape(batch, tile, num_index_heads, num_blocks, block_size).max(-1)
@@ -65,11 +70,11 @@ def top_blocks(
 
     xs = (
         jnp.arange(-(-seq // tile)),
-        _tiles(index_q, tile),
-        _tiles(segment_ids, tile, fill=-1),
-        _tiles(positions, tile),
+        query_tiles(index_q, tile),
+        query_tiles(segment_ids, tile, fill=-1),
+        query_tiles(positions, tile),
     )
-    return _untile(jax.lax.map(select_tile, xs), seq)
+    return untile(jax.lax.map(select_tile, xs), seq)
 
 
 def sparse_attention(
@@ -142,17 +147,16 @@ def sparse_attention(
         )
         return out, distillation_kl(probs.mean(axis=3), student_logits, visible)
 
-    q_grouped = q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
     xs = (
         jnp.arange(-(-seq // tile)),
-        _tiles(q_grouped, tile),
-        _tiles(segment_ids, tile, fill=-1),
-        _tiles(block_indices, tile, fill=-1),
-        None if student is None else _tiles(student[0], tile),
+        grouped_query_tiles(q, num_kv_heads, tile),
+        query_tiles(segment_ids, tile, fill=-1),
+        query_tiles(block_indices, tile, fill=-1),
+        None if student is None else query_tiles(student[0], tile),
     )
     out, kl = jax.lax.map(jax.checkpoint(attend_tile, prevent_cse=False), xs)
-    out = _untile(out, seq).reshape(batch, seq, num_heads, head_dim)
-    return out, None if kl is None else _untile(kl, seq)
+    out = untile(out, seq).reshape(batch, seq, num_heads, head_dim)
+    return out, None if kl is None else untile(kl, seq)
 
 
 def block_recall(
@@ -181,9 +185,7 @@ def block_recall(
     def recall_tile(args):
         index, q_tile, segment_tile, indices = args
         slots = index * tile + jnp.arange(tile)
-        visible = (jnp.arange(seq)[None, None, :] <= slots[None, :, None]) & (
-            segment_ids[:, None, :] == segment_tile[:, :, None]
-        )
+        visible = visible_keys(slots, segment_tile, segment_ids)
         logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
         mass = jax.nn.softmax(logits, axis=-1).mean(axis=3)  # [B, Tq, K, T]
@@ -197,11 +199,10 @@ def block_recall(
         hit = (teacher_top[..., :, None] == indices[..., None, :]).any(-1) & wanted
         return hit.sum(-1) / jnp.maximum(wanted.sum(-1), 1)
 
-    q_grouped = q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
     xs = (
         jnp.arange(-(-seq // tile)),
-        _tiles(q_grouped, tile),
-        _tiles(segment_ids, tile, fill=-1),
-        _tiles(block_indices, tile, fill=-1),
+        grouped_query_tiles(q, num_kv_heads, tile),
+        query_tiles(segment_ids, tile, fill=-1),
+        query_tiles(block_indices, tile, fill=-1),
     )
-    return _untile(jax.lax.map(recall_tile, xs), seq)
+    return untile(jax.lax.map(recall_tile, xs), seq)
