@@ -35,7 +35,8 @@ from flax import nnx
 from m3jax import sharding
 from m3jax.config import ModelConfig, MoEConfig
 from m3jax.moe import MoE
-from pallas_kernels.moe import reference
+from pallas_kernels.moe import mosaic_gpu, reference
+from pallas_kernels.moe.tiles import from_tiles, tile_layout, to_tiles
 
 
 def dense_matmul(x, w, group_sizes):
@@ -52,8 +53,14 @@ def capacity_einsum(x, w, group_sizes):
     )
 
 
+def mosaic_gpu_grouped(x, w, group_sizes, tiling=mosaic_gpu.Tiling()):
+    """Our kernel as the dropless path runs it: sorted rows -> tile layout -> kernel -> back."""
+    layout = tile_layout(group_sizes, x.shape[0], mosaic_gpu.BLOCK_M)
+    tiled = mosaic_gpu.tiled_matmul(to_tiles(x, layout, mosaic_gpu.BLOCK_M), w, layout, tiling)
+    return from_tiles(tiled, layout)
+
+
 # (name, fn(x_sorted [M, D], w [E, D, F], group_sizes [E]) -> [M, F], its fp32 reference).
-# A grouped-matmul kernel is one more line: ("my kernel", kernel.grouped_matmul, GROUPED_REF).
 # The loop form: at M = 128K, XLA lowers an fp32 "highest" ragged_dot to a dense [M, E·D] product
 # and runs out of memory (seen on the H200 at E = 32); E masked matmuls stay within [M, F].
 GROUPED_REF = reference.grouped_matmul_loop
@@ -62,6 +69,8 @@ VARIANTS = [
     ("ragged_dot", reference.grouped_matmul, GROUPED_REF),
     ("capacity einsum", capacity_einsum, capacity_einsum),
 ]
+if jax.default_backend() == "gpu":
+    VARIANTS.append(("mosaic_gpu", mosaic_gpu_grouped, GROUPED_REF))
 try:  # tokamax's Pallas Mosaic GPU ragged_dot (Hopper): measured as a candidate GPU kernel
     import tokamax
 
@@ -140,17 +149,67 @@ def matmul_rows(rows: int, experts: int, shape: dict, repeats: int) -> list[dict
     x32, w32, cotangent32 = (a.astype(jnp.float32) for a in (x, w, cotangent))
     flops = 2 * rows * shape["dim"] * shape["expert_dim"]
     label = f"E={experts} M={rows} D={shape['dim']} F={shape['expert_dim']}"
-    out, baseline = [], {}
+    out, baseline, references = [], {}, {}
     for name, fn, reference_fn in VARIANTS:
         for phase, wrap, factor in (("fwd", forward, 1), ("fwd+bwd", forward_backward, 3)):
             seconds, result = time_call(wrap(fn), (x, w, sizes, cotangent), repeats)
-            with jax.default_matmul_precision("highest"):
-                expected = jax.jit(wrap(reference_fn))(x32, w32, sizes, cotangent32)
+            if (reference_fn, phase) not in references:
+                with jax.default_matmul_precision("highest"):
+                    references[reference_fn, phase] = jax.block_until_ready(
+                        jax.jit(wrap(reference_fn))(x32, w32, sizes, cotangent32)
+                    )
+            expected = references[reference_fn, phase]
             tflops = factor * flops / seconds / 1e12
             baseline.setdefault(phase, tflops)  # the dense matmul comes first
             out.append(dict(variant=f"{name} {phase}", shape=label, ms=seconds * 1e3,
                             tflops=tflops, vs_dense=tflops / baseline[phase],
                             max_err=relative_error(result, expected)))  # fmt: skip
+    return out
+
+
+TILINGS = [
+    mosaic_gpu.Tiling(),
+    mosaic_gpu.Tiling(stages=3),
+    mosaic_gpu.Tiling(stages=6),
+    mosaic_gpu.Tiling(block_k=128, stages=3),
+    mosaic_gpu.Tiling(snake_width=2),
+    mosaic_gpu.Tiling(snake_width=32),
+    mosaic_gpu.Tiling(gram_stages=2),
+]
+
+
+def tiling_rows(rows: int, experts: int, shape: dict, repeats: int) -> list[dict]:
+    """Each kernel alone on pre-tiled rows, per tiling in TILINGS: forward, dX and dW TFLOP/s."""
+    x, w, sizes, cotangent = matmul_inputs(rows, experts, shape["dim"], shape["expert_dim"])
+    layout = tile_layout(sizes, rows, mosaic_gpu.BLOCK_M)
+    x_tiles, dy_tiles = (to_tiles(a, layout, mosaic_gpu.BLOCK_M) for a in (x, cotangent))
+    flops = 2 * rows * shape["dim"] * shape["expert_dim"]
+    dense_seconds, _ = time_call(lambda x, w: x @ w[0], (x, w), repeats)
+    kernels = {
+        "fwd": lambda t: lambda x, dy: mosaic_gpu.tile_matmul(x, w, layout.tile_expert, tiling=t),
+        "dX": lambda t: (
+            lambda x, dy: mosaic_gpu.tile_matmul(
+                dy, w, layout.tile_expert, transpose_w=True, tiling=t
+            )
+        ),
+        "dW": lambda t: (
+            lambda x, dy: mosaic_gpu.expert_gram(
+                x, dy, layout.first_tile, layout.num_tiles, tiling=t
+            )
+        ),
+    }
+    out = []
+    for tiling in TILINGS:
+        for part, make in kernels.items():
+            try:
+                seconds, _ = time_call(make(tiling), (x_tiles, dy_tiles), repeats)
+            except Exception as error:  # a tiling that does not fit shared memory, say
+                print(f"{part} {tiling}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                continue
+            out.append(dict(variant=f"kernel {part} {tiling}", ms=seconds * 1e3,
+                            tflops=flops / seconds / 1e12, vs_dense=dense_seconds / seconds,
+                            shape=f"E={experts} M={rows} D={shape['dim']} F={shape['expert_dim']}"))  # fmt: skip
+            print(table_line(out[-1]), flush=True)
     return out
 
 
@@ -358,6 +417,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16")
     parser.add_argument("--output", help="also write the markdown section here")
     parser.add_argument("--layer-only", action="store_true", help="skip the matmul sweep (1.)")
+    parser.add_argument("--matmuls-only", action="store_true", help="skip the layer (2., 3.)")
+    parser.add_argument("--tune", action="store_true", help="first time each kernel per tiling")
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else FULL)
     shape["experts"] = args.experts or shape["experts"]
@@ -368,11 +429,16 @@ def main() -> None:
     checks = check(shape, args.ep)
     print("check:", checks, flush=True)
     rows = []
+    if args.tune:
+        rows += tiling_rows(shape["rows"][0], shape["experts"][0], shape, args.repeats)
     for experts in [] if args.layer_only else shape["experts"]:
         for m in shape["rows"]:
             rows += matmul_rows(m, experts, shape, args.repeats)
             for row in rows[-2 * len(VARIANTS) :]:
                 print(table_line(row), flush=True)
+    if args.matmuls_only:
+        print("\n" + markdown(rows, args, checks))
+        return
     # The matmuls at the layer's own expert shape, then the layer (and EP) against them.
     layer_matmuls = matmul_rows(
         shape["layer_tokens"] * shape["k"], shape["layer_experts"], shape, args.repeats

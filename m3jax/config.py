@@ -13,6 +13,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("reference", "xla")
 MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe_dispatch.py
+GROUPED_MATMUL_IMPLS = ("auto", "xla", "mosaic_gpu")  # m3jax/moe_dispatch.grouped_matmul_impl
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +59,9 @@ class MoEConfig:
     dispatch: str = "dropless"
     # capacity: each expert takes at most ⌈capacity_factor · tokens · k / E⌉ rows per device.
     capacity_factor: float = 1.25
+    # dropless: the grouped matmul's implementation. auto = the Pallas Mosaic GPU kernel on GPUs
+    # (bf16/f16, widths multiples of 128), else XLA's ragged_dot.
+    grouped_matmul: str = "auto"
 
     def __post_init__(self):
         _require_positive_ints(self, "moe.")
@@ -70,6 +74,10 @@ class MoEConfig:
             raise ValueError("moe.bias_update_rate and moe.balance_loss_weight must be >= 0")
         if self.dispatch not in MOE_DISPATCH_MODES:
             raise ValueError(f"moe.dispatch={self.dispatch!r} is not one of {MOE_DISPATCH_MODES}")
+        if self.grouped_matmul not in GROUPED_MATMUL_IMPLS:
+            raise ValueError(
+                f"moe.grouped_matmul={self.grouped_matmul!r} is not one of {GROUPED_MATMUL_IMPLS}"
+            )
         if not self.capacity_factor > 0:
             raise ValueError(f"moe.capacity_factor={self.capacity_factor} must be > 0")
 

@@ -55,6 +55,7 @@ def routed_experts(
     *,
     dispatch: str,
     capacity_factor: float,
+    grouped_matmul: str = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """The routed experts with tokens and experts spread over `mesh` (any axis sizes).
 
@@ -62,6 +63,7 @@ def routed_experts(
       x: [B, S, D] tokens; chosen: [B, S, k] expert ids; weights: [B, S, k] fp32 routing weights.
       experts: all E experts' weights ([E, D, F], [E, D, F], [E, F, D]) in x's dtype.
       dispatch: "dropless" or "capacity" (see the module docstring).
+      grouped_matmul: the local experts' grouped matmul (moe_dispatch.grouped_matmul_impl).
     Returns:
       routed output [B, S, D] (before routed_scaling) and the global number of dropped rows.
     """
@@ -74,6 +76,7 @@ def routed_experts(
         activation=activation,
         dispatch=dispatch,
         capacity_factor=capacity_factor,
+        grouped_matmul=grouped_matmul,
         token_axes=(*batch_axes, *seq_axes),
         emulate_ragged=_lacks_ragged_all_to_all(mesh),
     )
@@ -116,6 +119,7 @@ def _routed_on_device(
     activation: Activation,
     dispatch: str,
     capacity_factor: float,
+    grouped_matmul: str,
     token_axes: tuple[str, ...],
     emulate_ragged: bool,
 ) -> tuple[jax.Array, jax.Array]:
@@ -124,7 +128,7 @@ def _routed_on_device(
     parts = jax.lax.axis_size(EXPERT_AXIS)
     local_experts = experts.gate.shape[0]
     num_tokens = math.prod(shape[:-1])
-    ffn = local_ffn(experts, activation)
+    ffn = local_ffn(experts, activation, grouped_matmul)
     if parts > 1:
         ffn = ExpertFFN(
             grouped=functools.partial(

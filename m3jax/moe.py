@@ -22,7 +22,13 @@ from jax.sharding import Mesh
 from m3jax import expert_parallel, params
 from m3jax.config import ModelConfig
 from m3jax.mlp import MLP, swigluoai
-from m3jax.moe_dispatch import ExpertWeights, dense_experts, local_ffn, sorted_experts
+from m3jax.moe_dispatch import (
+    ExpertWeights,
+    dense_experts,
+    grouped_matmul_impl,
+    local_ffn,
+    sorted_experts,
+)
 
 
 def route(
@@ -70,6 +76,7 @@ class MoE(nnx.Module):
         )
         self.k, self.routed_scaling = moe.experts_per_token, moe.routed_scaling
         self.dispatch, self.capacity_factor = moe.dispatch, moe.capacity_factor
+        self.grouped_matmul = moe.grouped_matmul
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.mesh = mesh
 
@@ -90,6 +97,7 @@ class MoE(nnx.Module):
         )
         activation = functools.partial(swigluoai, alpha=self.alpha, limit=self.limit)
         num_experts, dropped = scores.shape[-1], jnp.zeros((), jnp.int32)
+        impl = grouped_matmul_impl(self.grouped_matmul, dtype, *experts.gate.shape[1:])
         if self.dispatch == "dense":
             routed = dense_experts(tokens, chosen, weights, experts, activation)
         elif self.mesh is None:
@@ -98,7 +106,7 @@ class MoE(nnx.Module):
                 chosen,
                 weights,
                 num_experts,
-                local_ffn(experts, activation),
+                local_ffn(experts, activation, impl),
                 dispatch=self.dispatch,
                 capacity_factor=self.capacity_factor,
             )
@@ -112,6 +120,7 @@ class MoE(nnx.Module):
                 activation,
                 dispatch=self.dispatch,
                 capacity_factor=self.capacity_factor,
+                grouped_matmul=impl,
             )
         out = self.routed_scaling * routed.reshape(tokens.shape) + self.shared_expert(tokens)
 

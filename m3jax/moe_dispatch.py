@@ -5,7 +5,8 @@ Three modes (`model.moe.dispatch`), equal wherever capacity drops nothing:
   the reference the others are tested against.
 - dropless: the N·k (token, expert) pairs become rows, stably sorted by expert (so each expert's
   rows are contiguous and in token order) and multiplied by a grouped matmul
-  (`pallas_kernels/moe`). Exact, and only the chosen work.
+  (`pallas_kernels/moe`: XLA's ragged_dot, or on GPUs a Pallas Mosaic GPU kernel over a
+  tile-aligned copy of the rows, `moe.grouped_matmul`). Exact, and only the chosen work.
 - capacity: the same sorted rows, but each expert takes at most C = ⌈capacity_factor · N·k / E⌉ of
   them, earliest tokens first, into fixed [E, C, D] buffers that one batched einsum multiplies.
   Rows past C are dropped (their expert's contribution is 0) and counted.
@@ -24,7 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul
+from pallas_kernels.moe.tiles import from_tiles, tile_layout, to_tiles
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden, elementwise
 
@@ -57,13 +60,37 @@ def sort_rows(chosen: jax.Array, num_experts: int) -> SortedRows:
     return SortedRows(order, expert_ids[order], group_sizes)
 
 
+def grouped_matmul_impl(requested: str, dtype, dim: int, expert_dim: int) -> str:
+    """`moe.grouped_matmul` made concrete: "auto" is the Mosaic GPU kernel where it applies."""
+    reason = mosaic_gpu.unsupported_reason(dtype, dim, expert_dim)
+    if requested == "auto":
+        return "mosaic_gpu" if jax.default_backend() == "gpu" and not reason else "xla"
+    if requested == "mosaic_gpu" and reason:
+        raise ValueError(f"moe.grouped_matmul='mosaic_gpu' can't run this layer: {reason}")
+    return requested
+
+
 def grouped_ffn(
-    x_sorted: jax.Array, group_sizes: jax.Array, experts: ExpertWeights, activation: Activation
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    experts: ExpertWeights,
+    activation: Activation,
+    impl: str = "xla",
 ) -> jax.Array:
-    """[R, D] rows sorted by expert -> each row through its expert's FFN, [R, D]."""
-    gate = grouped_matmul(x_sorted, experts.gate, group_sizes)
-    up = grouped_matmul(x_sorted, experts.up, group_sizes)
-    return grouped_matmul(activation(gate, up), experts.down, group_sizes)
+    """[R, D] rows sorted by expert -> each row through its expert's FFN, [R, D].
+
+    impl "mosaic_gpu" first spreads the rows so that each expert starts on a kernel tile
+    (pallas_kernels/moe/tiles.py) and gathers them back at the end.
+    """
+    if impl == "mosaic_gpu":
+        layout = tile_layout(group_sizes, x_sorted.shape[0], mosaic_gpu.BLOCK_M)
+        rows = to_tiles(x_sorted, layout, mosaic_gpu.BLOCK_M)
+        matmul = lambda a, w: mosaic_gpu.tiled_matmul(a, w, layout)
+    else:
+        rows = x_sorted
+        matmul = lambda a, w: grouped_matmul(a, w, group_sizes)
+    y = matmul(activation(matmul(rows, experts.gate), matmul(rows, experts.up)), experts.down)
+    return from_tiles(y, layout) if impl == "mosaic_gpu" else y
 
 
 def batched_ffn(buffers: jax.Array, experts: ExpertWeights, activation: Activation) -> jax.Array:
@@ -129,10 +156,10 @@ class ExpertFFN(NamedTuple):
     batched: Callable[[jax.Array], jax.Array]  # [E, C, D] -> [E, C, D]
 
 
-def local_ffn(experts: ExpertWeights, activation: Activation) -> ExpertFFN:
-    """All E experts on this device."""
+def local_ffn(experts: ExpertWeights, activation: Activation, impl: str = "xla") -> ExpertFFN:
+    """All E experts on this device; impl: the grouped matmul's (`grouped_matmul_impl`)."""
     return ExpertFFN(
-        grouped=lambda x_sorted, sizes: grouped_ffn(x_sorted, sizes, experts, activation),
+        grouped=lambda x_sorted, sizes: grouped_ffn(x_sorted, sizes, experts, activation, impl),
         batched=lambda buffers: batched_ffn(buffers, experts, activation),
     )
 

@@ -11,6 +11,8 @@ Shapes: M rows (token copies, sorted by expert), D input width, F output width, 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.tiles import TileLayout
+
 
 def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """y[i] = x_sorted[i] @ w[e(i)], where rows of expert e are the e-th run of `group_sizes` rows.
@@ -35,3 +37,12 @@ def grouped_matmul_loop(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Arra
         inside = ((row >= starts[e]) & (row < ends[e]))[:, None]
         y = y + jnp.where(inside, x_sorted @ w[e], 0).astype(y.dtype)
     return y
+
+
+def tiled_matmul(x_tiles: jax.Array, w: jax.Array, layout: TileLayout, block_m: int) -> jax.Array:
+    """The GPU kernel's product over the tile-aligned layout (tiles.py), through `ragged_dot`.
+
+    Expert e owns num_tiles[e]·block_m consecutive rows, so the padded group sizes describe it
+    exactly; the unused tail past them comes out zero, as from the kernel.
+    """
+    return grouped_matmul(x_tiles, w.astype(x_tiles.dtype), layout.num_tiles * block_m)

@@ -1,0 +1,72 @@
+"""Tile-aligned expert layout: every block of `block_m` rows belongs to exactly one expert.
+
+Rows sorted by expert are spread out so that each expert's rows start on a tile boundary, the gap
+after them zero. A grouped matmul over this layout is a plain tiled matmul whose right-hand matrix
+is chosen per row tile (`tile_expert`): no tile straddles two experts, so a kernel needs no masks,
+no partial stores, and the weight gradient of expert e is a sum over its own whole tiles.
+
+The padding costs at most `block_m - 1` zero rows per expert; tiles past the used ones are marked
+with expert -1 and come out zero.
+
+Shapes: R sorted rows, T tiles (T·block_m padded rows), E experts.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TileLayout(NamedTuple):
+    """Where sorted rows live in the padded buffer, and which expert owns each tile."""
+
+    destination: (
+        jax.Array
+    )  # [R] int32 padded row of each sorted row; T·block_m if beyond the groups
+    tile_expert: jax.Array  # [T] int32 expert of each tile, -1 for the unused tail
+    first_tile: jax.Array  # [E] int32 first tile of each expert
+    num_tiles: jax.Array  # [E] int32 tiles of each expert (0 for an expert with no rows)
+
+
+def num_tiles_bound(num_rows: int, num_experts: int, block_m: int) -> int:
+    """T: enough tiles for any split of `num_rows` rows over `num_experts` experts.
+
+    Σ_e ⌈g_e / b⌉ ≤ Σ_e (g_e + b - 1) / b = (R + E·(b - 1)) / b, and the sum is an integer.
+    """
+    return max(1, (num_rows + num_experts * (block_m - 1)) // block_m)
+
+
+def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayout:
+    """The layout of `num_rows` rows whose first sum(group_sizes) are sorted by expert."""
+    group_sizes = group_sizes.astype(jnp.int32)
+    num_experts = group_sizes.shape[0]
+    tiles = num_tiles_bound(num_rows, num_experts, block_m)
+    expert_tiles = -(-group_sizes // block_m)
+    tile_ends = jnp.cumsum(expert_tiles)
+    first_tile = tile_ends - expert_tiles
+    row_ends = jnp.cumsum(group_sizes)
+    row_starts = row_ends - group_sizes
+
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    expert = jnp.searchsorted(row_ends, row, side="right").astype(jnp.int32)
+    inside = expert < num_experts
+    expert = jnp.minimum(expert, num_experts - 1)
+    shifted = first_tile[expert] * block_m + row - row_starts[expert]
+    destination = jnp.where(inside, shifted, tiles * block_m)
+
+    tile = jnp.arange(tiles, dtype=jnp.int32)
+    owner = jnp.searchsorted(tile_ends, tile, side="right").astype(jnp.int32)
+    tile_expert = jnp.where(owner < num_experts, owner, -1)
+    return TileLayout(destination, tile_expert, first_tile, expert_tiles)
+
+
+def to_tiles(x_sorted: jax.Array, layout: TileLayout, block_m: int) -> jax.Array:
+    """[R, D] sorted rows -> [T·block_m, D], zero between experts and in the tail."""
+    rows = layout.tile_expert.shape[0] * block_m
+    out = jnp.zeros((rows, x_sorted.shape[1]), x_sorted.dtype)
+    return out.at[layout.destination].set(x_sorted, mode="drop", unique_indices=True)
+
+
+def from_tiles(y_tiles: jax.Array, layout: TileLayout) -> jax.Array:
+    """[T·block_m, F] -> [R, F] in sorted order; rows beyond the groups are zero."""
+    return y_tiles.at[layout.destination].get(mode="fill", fill_value=0, unique_indices=True)
