@@ -99,16 +99,23 @@ class TrainingSession:
         return msa_phase(self.run, self.tokens_seen)
 
     def step(self, batch: dict[str, np.ndarray], mode: ForwardMode) -> dict:
-        """One optimizer step; returns its metrics as (unfetched) device arrays."""
-        positions = batch["tokens"].size * jax.process_count()
+        """One optimizer step on a host batch; returns its metrics as (unfetched) device arrays."""
         if "modality" in batch:
             self.modality_tokens.update(modality_counts(batch))
-        batch = {
+        return self.step_on_devices(self.put_batch(batch), mode)
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows as global arrays, sharded over the batch axes (host -> device)."""
+        return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, v)
             for k, v in batch.items()
         }
+
+    def step_on_devices(self, batch: dict[str, jax.Array], mode: ForwardMode) -> dict:
+        """One optimizer step on a batch already on the devices (`put_batch`); modality counts are
+        left to `step`. benchmarks/bench_input_stall.py times the step alone through this."""
         self.state, metrics = self._step(self.state, batch, mode)
-        self.tokens_seen += positions
+        self.tokens_seen += batch["tokens"].size  # global B·S
         if mode.indexer_loss:
             metrics["msa_warmup"] = float(mode.msa_dense)  # 1 while sparse layers attend densely
         return metrics

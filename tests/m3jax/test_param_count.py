@@ -1,7 +1,10 @@
-"""The m3 config's parameter count, derived by hand from spec/m3_architecture.md §7.1.
+"""The m3 config's parameter count, derived by hand from spec/m3_architecture.md §7.1, and that
+of small-gpu-multimodal's vision tower.
 
 Built abstractly (jax.eval_shape): nothing is allocated.
 """
+
+import dataclasses
 
 from conftest import REPO
 
@@ -46,3 +49,20 @@ def test_param_count_m3_matches_hand_formula():
     # (0.87B of both is the vision tower and projector, counted as active).
     assert vision == 865_567_232
     assert 4.2e11 < count.total < 4.3e11 and 2.5e10 < count.active < 2.7e10
+
+
+def test_param_count_small_gpu_multimodal_is_small_gpu_plus_its_vision_tower():
+    text = load_run_config(REPO / "configs/small-gpu.yaml")
+    multimodal = load_run_config(REPO / "configs/small-gpu-multimodal.yaml")
+    assert dataclasses.replace(multimodal.model, vision=None) == text.model  # the same decoder
+    for section in ("optimizer", "train", "mesh", "checkpoint", "logging"):
+        assert getattr(multimodal, section) == getattr(text, section)
+    assert (multimodal.data.seq_len, multimodal.data.batch_size) == (4096, 4)
+    # ViT (§4) of 4 layers, width 1024, MLP 4096, and its projector to the text width 1024
+    d, dv, iv, pj, layers, patch = 1024, 1024, 4096, 1024, 4, 3 * 2 * 14 * 14
+    vision_layer = 4 * (dv * dv + dv) + 2 * 2 * dv + (dv * iv + iv) + (iv * dv + dv)
+    projector = (dv * pj + pj) + (pj * d + d) + (4 * d * pj + pj) + (pj * d + d)
+    vision = dv * patch + 2 * dv + layers * vision_layer + projector
+    before, after = count_params(functional(text.model)), count_params(functional(multimodal.model))
+    assert (after.total - before.total, after.active - before.active) == (vision, vision)
+    assert vision == 58_935_296 and 1.1e9 < after.total < 1.2e9
