@@ -56,7 +56,7 @@ def capacity_einsum(x, w, group_sizes):
 def mosaic_gpu_grouped(x, w, group_sizes, tiling=mosaic_gpu.Tiling()):
     """Our kernel as the dropless path runs it: sorted rows -> tile layout -> kernel -> back."""
     layout = tile_layout(group_sizes, x.shape[0], mosaic_gpu.BLOCK_M)
-    tiled = mosaic_gpu.tiled_matmul(to_tiles(x, layout, mosaic_gpu.BLOCK_M), w, layout, tiling)
+    tiled = mosaic_gpu.tiled_matmul(to_tiles(x, layout), w, layout, tiling)
     return from_tiles(tiled, layout)
 
 
@@ -182,7 +182,7 @@ def tiling_rows(rows: int, experts: int, shape: dict, repeats: int) -> list[dict
     """Each kernel alone on pre-tiled rows, per tiling in TILINGS: forward, dX and dW TFLOP/s."""
     x, w, sizes, cotangent = matmul_inputs(rows, experts, shape["dim"], shape["expert_dim"])
     layout = tile_layout(sizes, rows, mosaic_gpu.BLOCK_M)
-    x_tiles, dy_tiles = (to_tiles(a, layout, mosaic_gpu.BLOCK_M) for a in (x, cotangent))
+    x_tiles, dy_tiles = (to_tiles(a, layout) for a in (x, cotangent))
     flops = 2 * rows * shape["dim"] * shape["expert_dim"]
     dense_seconds, _ = time_call(lambda x, w: x @ w[0], (x, w), repeats)
     kernels = {
@@ -419,10 +419,13 @@ def main() -> None:
     parser.add_argument("--layer-only", action="store_true", help="skip the matmul sweep (1.)")
     parser.add_argument("--matmuls-only", action="store_true", help="skip the layer (2., 3.)")
     parser.add_argument("--tune", action="store_true", help="first time each kernel per tiling")
+    parser.add_argument("--variants", nargs="+", help="matmul variants to run (default: all)")
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else FULL)
     shape["experts"] = args.experts or shape["experts"]
     shape["rows"] = args.rows or shape["rows"]
+    if args.variants:  # the dense matmul stays first: it is every row's baseline
+        VARIANTS[1:] = [v for v in VARIANTS[1:] if v[0].split()[0] in args.variants]
     if args.ep > jax.device_count():
         parser.error(f"--ep {args.ep} needs {args.ep} devices, found {jax.device_count()}")
 

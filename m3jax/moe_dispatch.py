@@ -18,6 +18,7 @@ Shapes: N tokens, k experts per token, R = N·k rows, D model width, F expert wi
 C capacity (rows per expert).
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul
-from pallas_kernels.moe.tiles import from_tiles, tile_layout, to_tiles
+from pallas_kernels.moe.tiles import from_tiles, permute_rows, tile_layout, to_tiles
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden, elementwise
 
@@ -42,6 +43,7 @@ class SortedRows(NamedTuple):
     """The N·k (token, choice) rows in expert order."""
 
     order: jax.Array  # [R] int32: sorted position i holds row order[i] (= token · k + choice)
+    inverse: jax.Array  # [R] int32: row token · k + choice sits at sorted position inverse[·]
     expert_ids: jax.Array  # [R] int32 expert of each sorted row, ascending
     group_sizes: jax.Array  # [E] int32 rows per expert
 
@@ -56,8 +58,31 @@ def sort_rows(chosen: jax.Array, num_experts: int) -> SortedRows:
     """chosen: [N, k] expert ids -> rows stably sorted by expert (token order within an expert)."""
     expert_ids = chosen.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(expert_ids, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[expert_ids].add(1)
-    return SortedRows(order, expert_ids[order], group_sizes)
+    return SortedRows(order, inverse, expert_ids[order], group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def gather_sorted(x: jax.Array, rows: SortedRows, k: int) -> jax.Array:
+    """[N, D] tokens -> [R, D]: sorted row i is token order[i] // k.
+
+    Autodiff would scatter-add the R row gradients into N tokens; gathering them back into
+    (token, choice) order and summing the k choices is the same sum, several times faster on GPUs.
+    """
+    return x[rows.order // k]
+
+
+def _gather_sorted_forward(x, rows, k):
+    return gather_sorted(x, rows, k), rows
+
+
+def _gather_sorted_backward(k, rows, cotangent):
+    per_choice = cotangent[rows.inverse].reshape(-1, k, cotangent.shape[-1])
+    return per_choice.sum(1, dtype=jnp.float32).astype(cotangent.dtype), None
+
+
+gather_sorted.defvjp(_gather_sorted_forward, _gather_sorted_backward)
 
 
 def grouped_matmul_impl(requested: str, dtype, dim: int, expert_dim: int) -> str:
@@ -84,7 +109,7 @@ def grouped_ffn(
     """
     if impl == "mosaic_gpu":
         layout = tile_layout(group_sizes, x_sorted.shape[0], mosaic_gpu.BLOCK_M)
-        rows = to_tiles(x_sorted, layout, mosaic_gpu.BLOCK_M)
+        rows = to_tiles(x_sorted, layout)
         matmul = lambda a, w: mosaic_gpu.tiled_matmul(a, w, layout)
     else:
         rows = x_sorted
@@ -123,8 +148,8 @@ def from_buffers(
 def combine(y_sorted: jax.Array, rows: SortedRows, weights: jax.Array) -> jax.Array:
     """[R, D] expert outputs in sorted order, weights [N, k] -> Σ_choices weight · output, [N, D]."""
     num_tokens, k = weights.shape
-    inverse = jnp.zeros_like(rows.order).at[rows.order].set(jnp.arange(rows.order.shape[0]))
-    y = y_sorted[inverse].reshape(num_tokens, k, -1)  # back to (token, choice) order
+    y = permute_rows(y_sorted, rows.inverse, rows.order)  # back to (token, choice) order
+    y = y.reshape(num_tokens, k, -1)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
 
 
@@ -185,7 +210,7 @@ def sorted_experts(
     """
     num_tokens, k = chosen.shape
     rows = sort_rows(chosen, num_experts)
-    x_sorted = x[rows.order // k]
+    x_sorted = gather_sorted(x, rows, k)
     if dispatch == "dropless":
         y_sorted = ffn.grouped(x_sorted, rows.group_sizes)
         dropped = jnp.zeros((), jnp.int32)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.test_util import check_grads
 
 from m3jax.moe_dispatch import ExpertWeights, grouped_ffn, grouped_matmul_impl
 from pallas_kernels.moe import mosaic_gpu, reference
@@ -65,6 +66,9 @@ def test_layout_puts_each_expert_on_whole_tiles():
         np.testing.assert_array_equal(np.diff(rows), 1)  # in order, contiguous
         start += size
     assert np.all(dest[start:] == tiles * BLOCK)  # padding rows point past the buffer
+    source = np.asarray(layout.source)
+    np.testing.assert_array_equal(source[dest[:start]], np.arange(start))  # inverse maps
+    assert np.sum(source < ROWS) == start and np.all(source[source >= ROWS] == ROWS)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -78,7 +82,7 @@ def test_tile_bound_holds_for_any_split(seed):
 def test_tiles_round_trip_and_zero_gaps():
     x, *_ = inputs()
     layout = tile_layout(jnp.asarray(GROUPS), ROWS, BLOCK)
-    tiled = to_tiles(x, layout, BLOCK)
+    tiled = to_tiles(x, layout)
     back = from_tiles(tiled, layout)
     np.testing.assert_array_equal(back[: sum(GROUPS)], x[: sum(GROUPS)])
     assert np.all(np.asarray(back[sum(GROUPS) :]) == 0)
@@ -87,12 +91,19 @@ def test_tiles_round_trip_and_zero_gaps():
     )
 
 
+def test_moving_rows_in_and_out_of_tiles_has_exact_gradients():
+    x, *_ = inputs(dtype=jnp.float32)
+    layout = tile_layout(jnp.asarray(GROUPS), ROWS, BLOCK)
+    for move, arg in ((to_tiles, x), (from_tiles, to_tiles(x, layout))):
+        check_grads(lambda a, move=move: move(a, layout), (arg,), 1, modes=["rev"])
+
+
 def run_tiled(matmul, x, w, sizes, cotangent):
     """(y, dx, dw) of `matmul` over the tile layout, back in sorted order."""
     layout = tile_layout(sizes, ROWS, BLOCK)
 
     def sorted_product(x, w):
-        return from_tiles(matmul(to_tiles(x, layout, BLOCK), w, layout), layout)
+        return from_tiles(matmul(to_tiles(x, layout), w, layout), layout)
 
     y, pullback = jax.vjp(sorted_product, x, w)
     return (y, *pullback(cotangent))
@@ -117,7 +128,7 @@ def test_kernel_matches_ragged_dot_and_per_group_products(gpu_interpreter):
 def test_transposed_kernel_is_the_input_gradient(gpu_interpreter):
     x, w, sizes, cotangent = inputs(seed=3)
     layout = tile_layout(sizes, ROWS, BLOCK)
-    dy = to_tiles(cotangent, layout, BLOCK)
+    dy = to_tiles(cotangent, layout)
     dx = mosaic_gpu.tile_matmul(dy, w, layout.tile_expert, transpose_w=True)
     expected = reference.tiled_matmul(dy, jnp.swapaxes(w, 1, 2), layout, BLOCK)
     scale = float(jnp.abs(expected.astype(jnp.float32)).max())
