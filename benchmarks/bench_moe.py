@@ -304,6 +304,7 @@ def layer_rows(shape: dict, dense_tflops: float, peak: float, repeats: int) -> t
                         vs_dense=tflops / dense_tflops, mfu=tflops * 1e12 / peak,
                         dropped=float(dropped),
                         shape=layer_label(shape, tokens, experts, experts)))  # fmt: skip
+        print(table_line(out[-1]), flush=True)
     return out, seconds_by_mode
 
 
@@ -328,6 +329,7 @@ def ep_rows(shape: dict, ep: int, one_device: dict, dense_tflops, peak, repeats)
                         max_err=relative_error(jax.device_put(actual, jax.devices()[0]),
                                                per_shard_reference(config, state, x, cotangent)),
                         shape=layer_label(shape, tokens, experts // ep, experts)))  # fmt: skip
+        print(table_line(out[-1]), flush=True)
     return out
 
 

@@ -213,22 +213,44 @@ def expert_gram(
     return kernel(first_tile, num_tiles, x, dy)
 
 
+def tiled_matmul(
+    x: jax.Array, w: jax.Array, layout: TileLayout, tiling: Tiling = Tiling()
+) -> jax.Array:
+    """[P, K] tiled rows @ their experts' [E, K, N] weights -> [P, N] (differentiable in x, w).
+
+    Inside `shard_map`, w is first marked as varying over every mesh axis x varies over (rows
+    differ per device, weights may be replicated), so that autodiff sums w's gradient over those
+    axes outside the kernel, as it does for any matmul.
+    """
+    w = _vary_like(w.astype(x.dtype), x)
+    return _vary_like(_tiled_matmul(_vary_like(x, w), w, layout, tiling), x)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    return jax.typeof(x).mat.varying
+
+
+def _vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x, typed as varying over the manual mesh axes `like` varies over (kernels drop the type)."""
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def tiled_matmul(x: jax.Array, w: jax.Array, layout: TileLayout, tiling: Tiling = Tiling()):
-    """[P, K] tiled rows @ their experts' [E, K, N] weights -> [P, N] (differentiable in x, w)."""
-    return tile_matmul(x, w.astype(x.dtype), layout.tile_expert, tiling=tiling)
+def _tiled_matmul(x, w, layout, tiling):
+    return _vary_like(tile_matmul(x, w, layout.tile_expert, tiling=tiling), x)
 
 
 def _forward(x, w, layout, tiling):
-    return tiled_matmul(x, w, layout, tiling), (x, w, layout)
+    return _tiled_matmul(x, w, layout, tiling), (x, w, layout)
 
 
 def _backward(tiling, residuals, dy):
     x, w, layout = residuals
     dy = dy.astype(x.dtype)
-    dx = tile_matmul(dy, w.astype(x.dtype), layout.tile_expert, transpose_w=True, tiling=tiling)
+    dx = tile_matmul(dy, w, layout.tile_expert, transpose_w=True, tiling=tiling)
     dw = expert_gram(x, dy, layout.first_tile, layout.num_tiles, tiling=tiling)
-    return dx, dw.astype(w.dtype), None
+    return _vary_like(dx, x), _vary_like(dw, w), None
 
 
-tiled_matmul.defvjp(_forward, _backward)
+_tiled_matmul.defvjp(_forward, _backward)
