@@ -16,15 +16,19 @@ no checkpoint is written), then three measurements:
    as pretrain/train.py's loop runs it, fetching the metrics every `logging.every_steps` steps
    as that loop does (its only waits for the device besides checkpoints, which are left out).
 
-Method for 3. The loop overlaps input with compute: a step is dispatched asynchronously, so while
-the device runs step i the host is already in next(loader) for step i+1 (receiving the batch from
-the Grain workers) and in session.step (host -> device copy, dispatch). Time in next(loader) is
-therefore not stall by itself; the device idles only when step i is not yet enqueued when step
-i-1 finishes. A watcher thread blocks on each step's metrics in order and records when it finished
-(done[i]); the main thread records when session.step returned (enqueued[i]: batch fetched, copied
-and the step dispatched). Idle before step i = max(0, enqueued[i] - done[i-1]), and
+Method for 3. The loop may overlap input with compute: where a step is dispatched
+asynchronously, the host is already in next(loader) for step i+1 while the device runs step i,
+so time in next(loader) is not stall by itself. Where dispatch blocks (seen on the H200: session.step
+returned only when the step had finished), it is. A watcher thread blocks on each step's metrics
+in order and records when each step finished (done[i]); the main thread records when it had the
+batch (fetched[i]) and when session.step returned (enqueued[i]). The device can start step i only
+once the host has the batch and has copied it, so
 
-    stall = sum of idle / (done[last] - done[first steady - 1])    over the steady steps.
+    idle before step i = max(0, min(enqueued[i], fetched[i] + copy) - done[i-1])
+    stall = sum of idle / (done[last] - done[first steady - 1])    over the steady steps,
+
+with `copy` the host -> device copy timed alone in 2 (counted as idle whenever the host is late:
+an upper bound on what a slow pipeline costs).
 
 The first `--startup-steps` steps (waiting for the workers to start) are reported apart. The
 watcher sees a finished step up to one interpreter switch interval late (set to 0.5 ms here),
@@ -136,7 +140,9 @@ def measure(
         report["step"] = step_alone(session, fixed_batch, mode, compute_steps)
         _write(out, report)
         loop_steps = _fit_steps(steps, startup_steps, report, time_budget, began)
-        report["loop"] = real_loop(session, run, mode, startup_steps, loop_steps)
+        report["loop"] = real_loop(
+            session, run, mode, startup_steps, loop_steps, report["step"]["put_batch_s"]
+        )
         checkpoints.close()
     report["summary"] = summarize(report)
     report["seconds"] = time.perf_counter() - began
@@ -204,7 +210,9 @@ def step_alone(session: TrainingSession, batch: dict, mode, steps: int) -> dict:
     }
 
 
-def real_loop(session: TrainingSession, run: RunConfig, mode, startup: int, steps: int) -> dict:
+def real_loop(
+    session: TrainingSession, run: RunConfig, mode, startup: int, steps: int, copy_s: float
+) -> dict:
     """pretrain/train.py's loop on a fresh loader, timed per step (see the module docstring)."""
     loader, watcher = make_loader(run), _CompletionWatcher()
     total, log_every, pending, rows = startup + steps, run.logging.every_steps, [], []
@@ -220,7 +228,7 @@ def real_loop(session: TrainingSession, run: RunConfig, mode, startup: int, step
             metrics = session.step(batch, mode)  # host -> device copy, then async dispatch
             enqueued = time.perf_counter()
             rows.append({"fetch_s": fetched - fetch_start, "put_dispatch_s": enqueued - fetched,
-                         "enqueued": enqueued})  # fmt: skip
+                         "fetched": fetched, "enqueued": enqueued})  # fmt: skip
             watcher.watch(metrics)
             pending.append(metrics)
             if (i + 1) % log_every == 0 or i == 0 or i == total - 1:  # as the loop logs
@@ -233,13 +241,16 @@ def real_loop(session: TrainingSession, run: RunConfig, mode, startup: int, step
         done = watcher.finish()
         sys.setswitchinterval(switch_interval)
         loader.close()
-    return _loop_report(rows, done, begin, startup)
+    return _loop_report(rows, done, begin, startup, copy_s)
 
 
-def _loop_report(rows: list[dict], done: list[float], begin: float, startup: int) -> dict:
+def _loop_report(
+    rows: list[dict], done: list[float], begin: float, startup: int, copy_s: float
+) -> dict:
     previous = begin
     for row, finished in zip(rows, done):
-        row["idle_s"] = max(0.0, row["enqueued"] - previous)
+        started = min(row["enqueued"], row["fetched"] + copy_s)  # the earliest the step can run
+        row["idle_s"] = max(0.0, started - previous)
         row["interval_s"] = finished - previous
         row["done"] = finished
         previous = finished
@@ -248,7 +259,8 @@ def _loop_report(rows: list[dict], done: list[float], begin: float, startup: int
     idle = sum(r["idle_s"] for r in steady)
     fetch = [r["fetch_s"] for r in steady]
     for row in rows:  # times relative to the loop's start
-        row["enqueued"], row["done"] = row["enqueued"] - begin, row["done"] - begin
+        for key in ("fetched", "enqueued", "done"):
+            row[key] -= begin
     return {
         "startup_steps": startup,
         "startup_s": rows[startup - 1]["done"],

@@ -178,13 +178,25 @@ TILINGS = [
 ]
 
 
-def tiling_rows(rows: int, experts: int, shape: dict, repeats: int) -> list[dict]:
-    """Each kernel alone on pre-tiled rows, per tiling in TILINGS: forward, dX and dW TFLOP/s."""
+def tiling_rows(rows: int, experts: int, shape: dict, repeats: int, tilings: int) -> list[dict]:
+    """Each kernel alone on pre-tiled rows, per tiling in TILINGS[:tilings] (forward, dX, dW),
+    after the layout moves alone (building the layout, rows into and out of it)."""
     x, w, sizes, cotangent = matmul_inputs(rows, experts, shape["dim"], shape["expert_dim"])
     layout = tile_layout(sizes, rows, mosaic_gpu.BLOCK_M)
     x_tiles, dy_tiles = (to_tiles(a, layout) for a in (x, cotangent))
     flops = 2 * rows * shape["dim"] * shape["expert_dim"]
+    label = f"E={experts} M={rows} D={shape['dim']} F={shape['expert_dim']}"
     dense_seconds, _ = time_call(lambda x, w: x @ w[0], (x, w), repeats)
+    out = []
+    moves = {
+        "tile_layout": (lambda sizes: tile_layout(sizes, rows, mosaic_gpu.BLOCK_M), (sizes,)),
+        "to_tiles [M, D]": (lambda x, layout: to_tiles(x, layout), (x, layout)),
+        "from_tiles [M, F]": (lambda y, layout: from_tiles(y, layout), (dy_tiles, layout)),
+    }
+    for name, (fn, args) in moves.items():
+        seconds, _ = time_call(fn, args, repeats)
+        out.append(dict(variant=f"layout move {name}", ms=seconds * 1e3, shape=label))
+        print(table_line(out[-1]), flush=True)
     kernels = {
         "fwd": lambda t: lambda x, dy: mosaic_gpu.tile_matmul(x, w, layout.tile_expert, tiling=t),
         "dX": lambda t: (
@@ -198,8 +210,7 @@ def tiling_rows(rows: int, experts: int, shape: dict, repeats: int) -> list[dict
             )
         ),
     }
-    out = []
-    for tiling in TILINGS:
+    for tiling in TILINGS[:tilings]:
         for part, make in kernels.items():
             try:
                 seconds, _ = time_call(make(tiling), (x_tiles, dy_tiles), repeats)
@@ -208,7 +219,7 @@ def tiling_rows(rows: int, experts: int, shape: dict, repeats: int) -> list[dict
                 continue
             out.append(dict(variant=f"kernel {part} {tiling}", ms=seconds * 1e3,
                             tflops=flops / seconds / 1e12, vs_dense=dense_seconds / seconds,
-                            shape=f"E={experts} M={rows} D={shape['dim']} F={shape['expert_dim']}"))  # fmt: skip
+                            shape=label))  # fmt: skip
             print(table_line(out[-1]), flush=True)
     return out
 
@@ -421,6 +432,7 @@ def main() -> None:
     parser.add_argument("--layer-only", action="store_true", help="skip the matmul sweep (1.)")
     parser.add_argument("--matmuls-only", action="store_true", help="skip the layer (2., 3.)")
     parser.add_argument("--tune", action="store_true", help="first time each kernel per tiling")
+    parser.add_argument("--tilings", type=int, default=len(TILINGS), help="--tune: how many")
     parser.add_argument("--variants", nargs="+", help="matmul variants to run (default: all)")
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else FULL)
@@ -435,7 +447,9 @@ def main() -> None:
     print("check:", checks, flush=True)
     rows = []
     if args.tune:
-        rows += tiling_rows(shape["rows"][0], shape["experts"][0], shape, args.repeats)
+        rows += tiling_rows(
+            shape["rows"][0], shape["experts"][0], shape, args.repeats, args.tilings
+        )
     for experts in [] if args.layer_only else shape["experts"]:
         for m in shape["rows"]:
             rows += matmul_rows(m, experts, shape, args.repeats)

@@ -50,6 +50,9 @@ def test_bench_input_stall_report_is_consistent(tmp_path, capsys):
         assert 0 <= row["fetch_s"] and 0 <= row["put_dispatch_s"]
         assert row["fetch_s"] + row["put_dispatch_s"] <= row["enqueued"] < row["done"]
         assert previous_done < row["done"]
+        assert row["fetched"] == pytest.approx(row["enqueued"] - row["put_dispatch_s"])
+        started = min(row["enqueued"], row["fetched"] + step["put_batch_s"])
+        assert row["idle_s"] == pytest.approx(max(0.0, started - previous_done), abs=1e-9)
         assert 0 <= row["idle_s"] <= row["interval_s"]
         assert row["interval_s"] == pytest.approx(row["done"] - previous_done)
         previous_done = row["done"]
