@@ -63,26 +63,33 @@ def sort_rows(chosen: jax.Array, num_experts: int) -> SortedRows:
     return SortedRows(order, inverse, expert_ids[order], group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def gather_sorted(x: jax.Array, rows: SortedRows, k: int) -> jax.Array:
-    """[N, D] tokens -> [R, D]: sorted row i is token order[i] // k.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def expand_tokens(x: jax.Array, pairs: jax.Array, slots: jax.Array, k: int) -> jax.Array:
+    """[N, D] tokens -> rows: row j is token pairs[j] // k, 0 where pairs[j] = N·k (a gap).
 
-    Autodiff would scatter-add the R row gradients into N tokens; gathering them back into
-    (token, choice) order and summing the k choices is the same sum, several times faster on GPUs.
+    pairs [rows]: the (token · k + choice) pair each row holds; slots [N·k]: the row of each pair
+    (the inverse map). Autodiff would scatter-add the row gradients into N tokens; gathering them
+    back into pair order and summing the k choices is the same sum, several times faster on GPUs.
     """
-    return x[rows.order // k]
+    return x.at[pairs // k].get(mode="fill", fill_value=0)
 
 
-def _gather_sorted_forward(x, rows, k):
-    return gather_sorted(x, rows, k), rows
+def _expand_tokens_forward(x, pairs, slots, k):
+    return expand_tokens(x, pairs, slots, k), slots
 
 
-def _gather_sorted_backward(k, rows, cotangent):
-    per_choice = cotangent[rows.inverse].reshape(-1, k, cotangent.shape[-1])
-    return per_choice.sum(1, dtype=jnp.float32).astype(cotangent.dtype), None
+def _expand_tokens_backward(k, slots, cotangent):
+    per_pair = cotangent.at[slots].get(mode="fill", fill_value=0)
+    per_pair = per_pair.reshape(-1, k, cotangent.shape[-1]).sum(1, dtype=jnp.float32)
+    return per_pair.astype(cotangent.dtype), None, None
 
 
-gather_sorted.defvjp(_gather_sorted_forward, _gather_sorted_backward)
+expand_tokens.defvjp(_expand_tokens_forward, _expand_tokens_backward)
+
+
+def gather_sorted(x: jax.Array, rows: SortedRows, k: int) -> jax.Array:
+    """[N, D] tokens -> [R, D]: sorted row i is token order[i] // k."""
+    return expand_tokens(x, rows.order, rows.inverse, k)
 
 
 def grouped_matmul_impl(requested: str, dtype, dim: int, expert_dim: int) -> str:
@@ -109,13 +116,38 @@ def grouped_ffn(
     """
     if impl == "mosaic_gpu":
         layout = tile_layout(group_sizes, x_sorted.shape[0], mosaic_gpu.BLOCK_M)
-        rows = to_tiles(x_sorted, layout)
-        matmul = lambda a, w: mosaic_gpu.tiled_matmul(a, w, layout)
-    else:
-        rows = x_sorted
-        matmul = lambda a, w: grouped_matmul(a, w, group_sizes)
-    y = matmul(activation(matmul(rows, experts.gate), matmul(rows, experts.up)), experts.down)
-    return from_tiles(y, layout) if impl == "mosaic_gpu" else y
+        return from_tiles(
+            _tiled_ffn(to_tiles(x_sorted, layout), layout, experts, activation), layout
+        )
+    matmul = functools.partial(grouped_matmul, group_sizes=group_sizes)
+    return matmul(
+        activation(matmul(x_sorted, experts.gate), matmul(x_sorted, experts.up)), experts.down
+    )
+
+
+def _tiled_ffn(x_tiles, layout, experts: ExpertWeights, activation: Activation) -> jax.Array:
+    """The experts' FFN on tile-aligned rows through the Mosaic GPU kernels."""
+    matmul = functools.partial(mosaic_gpu.tiled_matmul, layout=layout)
+    return matmul(
+        activation(matmul(x_tiles, experts.gate), matmul(x_tiles, experts.up)), experts.down
+    )
+
+
+def tiled_pairs_ffn(
+    x: jax.Array, rows: SortedRows, k: int, experts: ExpertWeights, activation: Activation
+) -> jax.Array:
+    """[N, D] tokens -> [N·k, D] expert outputs in (token, choice) order, through the kernels.
+
+    Tokens go straight into the tile layout and results straight back to pair order: one gather
+    each way instead of two (sorted order is never materialised).
+    """
+    num_rows = rows.order.shape[0]
+    layout = tile_layout(rows.group_sizes, num_rows, mosaic_gpu.BLOCK_M)
+    filled = layout.source < num_rows
+    pairs = jnp.where(filled, rows.order[jnp.where(filled, layout.source, 0)], num_rows)
+    slots = layout.destination[rows.inverse]
+    y_tiles = _tiled_ffn(expand_tokens(x, pairs, slots, k), layout, experts, activation)
+    return permute_rows(y_tiles, slots, pairs)
 
 
 def batched_ffn(buffers: jax.Array, experts: ExpertWeights, activation: Activation) -> jax.Array:
@@ -145,11 +177,10 @@ def from_buffers(
     return jnp.where(kept[:, None], y, 0).astype(y_buffers.dtype), kept
 
 
-def combine(y_sorted: jax.Array, rows: SortedRows, weights: jax.Array) -> jax.Array:
-    """[R, D] expert outputs in sorted order, weights [N, k] -> Σ_choices weight · output, [N, D]."""
+def combine(y_pairs: jax.Array, weights: jax.Array) -> jax.Array:
+    """[N·k, D] expert outputs in (token, choice) order, weights [N, k] -> Σ_choices, [N, D]."""
     num_tokens, k = weights.shape
-    y = permute_rows(y_sorted, rows.inverse, rows.order)  # back to (token, choice) order
-    y = y.reshape(num_tokens, k, -1)
+    y = y_pairs.reshape(num_tokens, k, -1)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
 
 
@@ -179,6 +210,9 @@ class ExpertFFN(NamedTuple):
 
     grouped: Callable[[jax.Array, jax.Array], jax.Array]  # ([R, D] sorted, [E] sizes) -> [R, D]
     batched: Callable[[jax.Array], jax.Array]  # [E, C, D] -> [E, C, D]
+    # dropless straight from tokens: ([N, D], rows, k) -> [N·k, D] in (token, choice) order;
+    # None: through `grouped` on sorted rows.
+    pairs: Callable[[jax.Array, SortedRows, int], jax.Array] | None = None
 
 
 def local_ffn(experts: ExpertWeights, activation: Activation, impl: str = "xla") -> ExpertFFN:
@@ -186,6 +220,11 @@ def local_ffn(experts: ExpertWeights, activation: Activation, impl: str = "xla")
     return ExpertFFN(
         grouped=lambda x_sorted, sizes: grouped_ffn(x_sorted, sizes, experts, activation, impl),
         batched=lambda buffers: batched_ffn(buffers, experts, activation),
+        pairs=(
+            functools.partial(tiled_pairs_ffn, experts=experts, activation=activation)
+            if impl == "mosaic_gpu"
+            else None
+        ),
     )
 
 
@@ -209,16 +248,19 @@ def sorted_experts(
       routed output [N, D] (before routed_scaling) and the number of dropped rows (int32 scalar).
     """
     num_tokens, k = chosen.shape
+    if dispatch not in ("dropless", "capacity"):
+        raise ValueError(f"{dispatch=} is not 'dropless' or 'capacity'")
     rows = sort_rows(chosen, num_experts)
+    dropped = jnp.zeros((), jnp.int32)
+    if dispatch == "dropless" and ffn.pairs is not None:
+        return combine(ffn.pairs(x, rows, k), weights), dropped
     x_sorted = gather_sorted(x, rows, k)
     if dispatch == "dropless":
         y_sorted = ffn.grouped(x_sorted, rows.group_sizes)
-        dropped = jnp.zeros((), jnp.int32)
-    elif dispatch == "capacity":
+    else:
         size = capacity(num_tokens, k, num_experts, capacity_factor)
         y_buffers = ffn.batched(to_buffers(x_sorted, rows.group_sizes, size))
         y_sorted, kept = from_buffers(y_buffers, rows, size)
         dropped = num_tokens * k - kept.sum(dtype=jnp.int32)
-    else:
-        raise ValueError(f"{dispatch=} is not 'dropless' or 'capacity'")
-    return combine(y_sorted, rows, weights), dropped
+    y_pairs = permute_rows(y_sorted, rows.inverse, rows.order)  # back to (token, choice) order
+    return combine(y_pairs, weights), dropped

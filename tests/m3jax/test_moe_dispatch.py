@@ -1,9 +1,13 @@
 """MoE dispatch modes on one device: dropless and capacity equal the dense reference (outputs and
 gradients, router included) when nothing drops; capacity drops the latest tokens and counts them."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_cases import assert_trees_close, inputs, moe_config, random_state, run, with_moe
 
 from m3jax.moe_dispatch import capacity, sort_rows
@@ -88,3 +92,22 @@ def test_dispatch_bfloat16_stays_close_to_float32(dispatch):
     assert out16.dtype == jnp.bfloat16
     scale = float(jnp.abs(out32).max())
     assert float(jnp.abs(out16.astype(jnp.float32) - out32).max()) < 3e-2 * scale
+
+
+def test_moe_block_with_the_kernel_equals_ragged_dot():
+    """The whole MoE block on one device: tokens go straight into the tile layout and back
+    (`tiled_pairs_ffn`), uneven loads and an idle expert; outputs and all gradients."""
+    config = with_moe(moe_config(), expert_dim=128, grouped_matmul="mosaic_gpu")
+    config = dataclasses.replace(config, hidden_size=128, dtype="bfloat16")
+    state = random_state(config)
+    rng = np.random.default_rng(1)
+    x, cotangent = (jnp.asarray(rng.normal(0, 1, (2, 96, 128)), jnp.bfloat16) for _ in range(2))
+    mask = jnp.ones((2, 96), bool)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):  # the kernels on CPU
+        got = run(config, state, x, mask, cotangent)
+    expected = run(with_moe(config, grouped_matmul="xla"), state, x, mask, cotangent)
+    np.testing.assert_array_equal(got[1]["load"], expected[1]["load"])
+    assert np.asarray(got[1]["load"])[-1] == 0  # the idle expert
+    for a, b in zip(jax.tree.leaves((got[0], got[2])), jax.tree.leaves((expected[0], expected[2]))):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 3e-2 * np.abs(b).max()

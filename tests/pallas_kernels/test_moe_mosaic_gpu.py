@@ -126,7 +126,7 @@ def test_kernel_matches_ragged_dot_and_per_group_products(gpu_interpreter):
 
 
 def test_transposed_kernel_is_the_input_gradient(gpu_interpreter):
-    x, w, sizes, cotangent = inputs(seed=3)
+    _, w, sizes, cotangent = inputs(seed=3)
     layout = tile_layout(sizes, ROWS, BLOCK)
     dy = to_tiles(cotangent, layout)
     dx = mosaic_gpu.tile_matmul(dy, w, layout.tile_expert, transpose_w=True)
@@ -144,7 +144,7 @@ def test_expert_ffn_with_the_kernel_equals_ragged_dot(gpu_interpreter):
             for shape in ((5, D, D), (5, D, D), (5, D, D))
         )
     )
-    activation = lambda gate, up: jax.nn.silu(gate) * up  # noqa: E731
+    activation = lambda gate, up: jax.nn.silu(gate) * up
 
     def loss(impl, x, experts):
         y = grouped_ffn(x, sizes, experts, activation, impl)
