@@ -174,10 +174,12 @@ def test_impl_choice():
         grouped_matmul_impl("mosaic_gpu", jnp.bfloat16, 200, 128)
 
 
-def test_kernel_differentiates_inside_expert_parallel_shard_map():
+@pytest.mark.parametrize("mesh_sizes", [{"expert": 2}, {"data": 2}])
+def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes):
     """Under shard_map the kernels' outputs carry no varying-axes types; the wrapper restores them
-    so that autodiff of the EP=2 MoE block type-checks (the GPU interpreter runs one device only,
-    so here the block is traced; benchmarks/bench_moe.py checks its numbers on two GPUs)."""
+    so that autodiff of the MoE block under EP=2 and under data parallelism (tokens straight into
+    the tile layout) type-checks. The GPU interpreter runs one device only, so the block is traced
+    here; benchmarks/bench_moe.py checks its numbers on two GPUs."""
     from flax import nnx
 
     from m3jax import sharding
@@ -189,7 +191,7 @@ def test_kernel_differentiates_inside_expert_parallel_shard_map():
         vocab_size=16, hidden_size=128, num_layers=1, dtype="bfloat16", moe=moe,
         layer_types=("full_attention",), mlp_layer_types=("sparse",),
     )  # fmt: skip
-    mesh = sharding.make_mesh({"expert": 2}, devices=jax.devices()[:2])
+    mesh = sharding.make_mesh(mesh_sizes, devices=jax.devices()[:2])  # data: tokens straight in
     graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, rngs=nnx.Rngs(0), mesh=mesh)))
     x = jax.ShapeDtypeStruct((2, 64, 128), jnp.bfloat16)
 
