@@ -41,7 +41,7 @@ from m3jax.moe_dispatch import (
     local_ffn,
     sorted_experts,
 )
-from pallas_kernels.moe.tiles import permute_rows
+from pallas_kernels.moe.tiles import inverse_permutation, permute_rows
 
 EXPERT_AXIS = "expert"
 
@@ -184,9 +184,7 @@ def _ragged_exchange(
     buffer = jnp.zeros_like(x_sorted, shape=(parts * rows_per_source, x_sorted.shape[1]))
     received = exchange(x_sorted, buffer, send_offsets, send_sizes, remote_recv_offsets, recv_sizes)
     position = expert_major_positions(recv_counts, buffer.shape[0])  # a permutation of the rows
-    source = (
-        jnp.zeros_like(position).at[position].set(jnp.arange(position.shape[0], dtype=jnp.int32))
-    )
+    source = inverse_permutation(position)
     grouped = permute_rows(received, source, position)  # gathers both ways, also in autodiff
     y = permute_rows(local(grouped, recv_counts.sum(0)), position, source)  # back as received
     return exchange(

@@ -28,7 +28,13 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul
-from pallas_kernels.moe.tiles import from_tiles, permute_rows, tile_layout, to_tiles
+from pallas_kernels.moe.tiles import (
+    from_tiles,
+    inverse_permutation,
+    permute_rows,
+    tile_layout,
+    to_tiles,
+)
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden, elementwise
 
@@ -58,9 +64,8 @@ def sort_rows(chosen: jax.Array, num_experts: int) -> SortedRows:
     """chosen: [N, k] expert ids -> rows stably sorted by expert (token order within an expert)."""
     expert_ids = chosen.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(expert_ids, stable=True).astype(jnp.int32)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[expert_ids].add(1)
-    return SortedRows(order, inverse, expert_ids[order], group_sizes)
+    return SortedRows(order, inverse_permutation(order), expert_ids[order], group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -85,11 +90,6 @@ def _expand_tokens_backward(k, slots, cotangent):
 
 
 expand_tokens.defvjp(_expand_tokens_forward, _expand_tokens_backward)
-
-
-def gather_sorted(x: jax.Array, rows: SortedRows, k: int) -> jax.Array:
-    """[N, D] tokens -> [R, D]: sorted row i is token order[i] // k."""
-    return expand_tokens(x, rows.order, rows.inverse, k)
 
 
 def grouped_matmul_impl(requested: str, dtype, dim: int, expert_dim: int) -> str:
@@ -254,7 +254,7 @@ def sorted_experts(
     dropped = jnp.zeros((), jnp.int32)
     if dispatch == "dropless" and ffn.pairs is not None:
         return combine(ffn.pairs(x, rows, k), weights), dropped
-    x_sorted = gather_sorted(x, rows, k)
+    x_sorted = expand_tokens(x, rows.order, rows.inverse, k)  # sorted row i: token order[i] // k
     if dispatch == "dropless":
         y_sorted = ffn.grouped(x_sorted, rows.group_sizes)
     else:

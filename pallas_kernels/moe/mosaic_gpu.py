@@ -223,7 +223,7 @@ def tiled_matmul(
     axes outside the kernel, as it does for any matmul.
     """
     w = _vary_like(w.astype(x.dtype), x)
-    return _vary_like(_tiled_matmul(_vary_like(x, w), w, layout, tiling), x)
+    return _tiled_matmul(_vary_like(x, w), w, layout, tiling)
 
 
 def _varying_axes(x: jax.Array) -> frozenset:

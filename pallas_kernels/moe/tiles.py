@@ -68,6 +68,11 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayo
     return TileLayout(destination, source, tile_expert, first_tile, expert_tiles)
 
 
+def inverse_permutation(index: jax.Array) -> jax.Array:
+    """inverse[index[i]] = i for a permutation `index` of 0..n-1."""
+    return jnp.zeros_like(index).at[index].set(jnp.arange(index.shape[0], dtype=index.dtype))
+
+
 @jax.custom_vjp
 def permute_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
     """out[i] = x[index[i]], 0 where index[i] is out of range; `inverse` undoes it on the rest.
