@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import trace_summary
 from m3jax import sharding
 from m3jax.config import ModelConfig, MoEConfig
 from m3jax.moe import MoE
@@ -103,8 +104,14 @@ def relative_error(actual, expected) -> float:
     return max(errors)
 
 
-def time_call(fn, args: tuple, repeats: int) -> tuple[float, object]:
-    """(median seconds, result) of jit(fn)(*args) after one warm-up call."""
+PROFILED_STEPS = 3
+
+
+def time_call(fn, args: tuple, repeats: int, trace_dir: str | None = None) -> tuple[float, object]:
+    """(median seconds, result) of jit(fn)(*args) after one warm-up call.
+
+    With `trace_dir`, PROFILED_STEPS more calls run under jax.profiler and where their device
+    time went is printed (benchmarks/trace_summary.py)."""
     compiled = jax.jit(fn).lower(*args).compile()
     result = jax.block_until_ready(compiled(*args))
     times = []
@@ -112,6 +119,11 @@ def time_call(fn, args: tuple, repeats: int) -> tuple[float, object]:
         start = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
+    if trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(PROFILED_STEPS):
+                jax.block_until_ready(compiled(*args))
+        print(trace_summary.report(trace_summary.summarize(trace_dir), PROFILED_STEPS), flush=True)
     return float(np.median(times)), result
 
 
@@ -300,15 +312,19 @@ def layer_label(shape: dict, tokens: int, local_experts: int, experts: int) -> s
             f"F={shape['expert_dim']}")  # fmt: skip
 
 
-def layer_rows(shape: dict, dense_tflops: float, peak: float, repeats: int) -> tuple[list, dict]:
-    """The layer on one device, both dispatch modes; also returns each mode's seconds."""
+def layer_rows(
+    shape: dict, dense_tflops: float, peak: float, repeats: int, profile: str | None = None
+) -> tuple[list, dict]:
+    """The layer on one device, both dispatch modes; also returns each mode's seconds.
+    With `profile` (a folder), each mode's device time is broken down too."""
     tokens, experts = shape["layer_tokens"], shape["layer_experts"]
     flops = layer_flops(shape, tokens, experts)
     out, seconds_by_mode = [], {}
     for dispatch in ("dropless", "capacity"):
         config = layer_config(shape, experts, dispatch)
         inputs = (layer_state(config), *layer_inputs(1, tokens, shape["dim"]))
-        seconds, (_, dropped) = time_call(layer_train(config, None), inputs, repeats)
+        trace_dir = profile and f"{profile}/layer-{dispatch}"
+        seconds, (_, dropped) = time_call(layer_train(config, None), inputs, repeats, trace_dir)
         seconds_by_mode[dispatch] = seconds
         tflops = flops / seconds / 1e12
         out.append(dict(variant=f"layer {dispatch} fwd+bwd", ms=seconds * 1e3, tflops=tflops,
@@ -319,7 +335,9 @@ def layer_rows(shape: dict, dense_tflops: float, peak: float, repeats: int) -> t
     return out, seconds_by_mode
 
 
-def ep_rows(shape: dict, ep: int, one_device: dict, dense_tflops, peak, repeats) -> list[dict]:
+def ep_rows(
+    shape: dict, ep: int, one_device: dict, dense_tflops, peak, repeats, profile=None
+) -> list[dict]:
     """The layer over `ep` devices, each with the tokens and local experts of the 1-device run."""
     mesh = sharding.make_mesh({"expert": ep}, devices=jax.devices()[:ep])
     tokens, experts = shape["layer_tokens"], shape["layer_experts"] * ep
@@ -329,8 +347,9 @@ def ep_rows(shape: dict, ep: int, one_device: dict, dense_tflops, peak, repeats)
         config = layer_config(shape, experts, dispatch)
         state = layer_state(config, mesh)
         x, cotangent = layer_inputs(ep, tokens, shape["dim"], mesh)
+        trace_dir = profile and f"{profile}/ep{ep}-{exchange}"
         seconds, (grads, dropped) = time_call(
-            layer_train(config, mesh), (state, x, cotangent), repeats
+            layer_train(config, mesh), (state, x, cotangent), repeats, trace_dir
         )
         actual = (forward_pass(config, mesh)(state, x), grads)
         tflops = flops / seconds / 1e12
@@ -434,6 +453,7 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="first time each kernel per tiling")
     parser.add_argument("--tilings", type=int, default=len(TILINGS), help="--tune: how many")
     parser.add_argument("--variants", nargs="+", help="matmul variants to run (default: all)")
+    parser.add_argument("--profile", help="folder: profile the layer runs, print their kernels")
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else FULL)
     shape["experts"] = args.experts or shape["experts"]
@@ -465,10 +485,10 @@ def main() -> None:
     rows += layer_matmuls
     dense = next(r["tflops"] for r in layer_matmuls if r["variant"] == "dense matmul fwd+bwd")
     peak = args.peak_tflops * 1e12
-    layer, one_device = layer_rows(shape, dense, peak, args.repeats)
+    layer, one_device = layer_rows(shape, dense, peak, args.repeats, args.profile)
     rows += layer
     if args.ep > 1:
-        rows += ep_rows(shape, args.ep, one_device, dense, peak, args.repeats)
+        rows += ep_rows(shape, args.ep, one_device, dense, peak, args.repeats, args.profile)
     for row in rows[-len(layer_matmuls) - len(layer) - 2 * (args.ep > 1) :]:
         print(table_line(row), flush=True)
     section = markdown(rows, args, checks)

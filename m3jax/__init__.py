@@ -10,7 +10,10 @@ weights = {"params": ..., "buffers": ...}: the nested dicts `m3jax.model.functio
 returns (buffers = the routers' correction biases). Training lives in the `pretrain` package.
 """
 
+from m3jax import xla_flags
 from m3jax.convert.pretrained import load_pretrained, save_pretrained
 from m3jax.inference import forward, forward_with_trace
+
+xla_flags.apply()  # importing starts no backend, so this still comes in time
 
 __all__ = ["forward", "forward_with_trace", "load_pretrained", "save_pretrained"]

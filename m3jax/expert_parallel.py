@@ -38,10 +38,11 @@ from m3jax.moe_dispatch import (
     Activation,
     ExpertFFN,
     ExpertWeights,
+    RowOrder,
     local_ffn,
     sorted_experts,
 )
-from pallas_kernels.moe.tiles import inverse_permutation, permute_rows
+from pallas_kernels.moe.tiles import inverse_permutation
 
 EXPERT_AXIS = "expert"
 
@@ -185,8 +186,7 @@ def _ragged_exchange(
     received = exchange(x_sorted, buffer, send_offsets, send_sizes, remote_recv_offsets, recv_sizes)
     position = expert_major_positions(recv_counts, buffer.shape[0])  # a permutation of the rows
     source = inverse_permutation(position)
-    grouped = permute_rows(received, source, position)  # gathers both ways, also in autodiff
-    y = permute_rows(local(grouped, recv_counts.sum(0)), position, source)  # back as received
+    y = local(received, recv_counts.sum(0), RowOrder(source, position))  # in received order
     return exchange(
         y, jnp.zeros_like(x_sorted), recv_offsets, recv_sizes, remote_send_offsets, send_sizes
     )

@@ -32,6 +32,7 @@ from pallas_kernels.moe.tiles import (
     from_tiles,
     inverse_permutation,
     permute_rows,
+    reorder,
     tile_layout,
     to_tiles,
 )
@@ -43,6 +44,13 @@ class ExpertWeights(NamedTuple):
     gate: jax.Array  # [E, D, F]
     up: jax.Array  # [E, D, F]
     down: jax.Array  # [E, F, D]
+
+
+class RowOrder(NamedTuple):
+    """A permutation of rows into expert order, both ways (inverse partial permutations)."""
+
+    source: jax.Array  # [R] int32: sorted position i holds row source[i]
+    position: jax.Array  # [R] int32: row r sits at sorted position position[r]
 
 
 class SortedRows(NamedTuple):
@@ -103,26 +111,30 @@ def grouped_matmul_impl(requested: str, dtype, dim: int, expert_dim: int) -> str
 
 
 def grouped_ffn(
-    x_sorted: jax.Array,
+    x: jax.Array,
     group_sizes: jax.Array,
     experts: ExpertWeights,
     activation: Activation,
     impl: str = "xla",
+    order: RowOrder | None = None,
 ) -> jax.Array:
-    """[R, D] rows sorted by expert -> each row through its expert's FFN, [R, D].
+    """[R, D] rows -> each row through its expert's FFN, [R, D] in the same row order.
 
-    impl "mosaic_gpu" first spreads the rows so that each expert starts on a kernel tile
-    (pallas_kernels/moe/tiles.py) and gathers them back at the end.
+    The rows are sorted by expert, or become so in `order` (then the result is still in x's
+    order). impl "mosaic_gpu" gathers the rows straight into a layout where each expert starts on a
+    kernel tile (pallas_kernels/moe/tiles.py) and straight back at the end: one gather each way,
+    whether or not `order` is given.
     """
     if impl == "mosaic_gpu":
-        layout = tile_layout(group_sizes, x_sorted.shape[0], mosaic_gpu.BLOCK_M)
-        return from_tiles(
-            _tiled_ffn(to_tiles(x_sorted, layout), layout, experts, activation), layout
-        )
+        layout = tile_layout(group_sizes, x.shape[0], mosaic_gpu.BLOCK_M)
+        if order is not None:
+            layout = reorder(layout, order.source, order.position)
+        return from_tiles(_tiled_ffn(to_tiles(x, layout), layout, experts, activation), layout)
+    if order is not None:
+        x = permute_rows(x, order.source, order.position)
     matmul = functools.partial(grouped_matmul, group_sizes=group_sizes)
-    return matmul(
-        activation(matmul(x_sorted, experts.gate), matmul(x_sorted, experts.up)), experts.down
-    )
+    y = matmul(activation(matmul(x, experts.gate), matmul(x, experts.up)), experts.down)
+    return y if order is None else permute_rows(y, order.position, order.source)
 
 
 def _tiled_ffn(x_tiles, layout, experts: ExpertWeights, activation: Activation) -> jax.Array:
@@ -141,13 +153,10 @@ def tiled_pairs_ffn(
     Tokens go straight into the tile layout and results straight back to pair order: one gather
     each way instead of two (sorted order is never materialised).
     """
-    num_rows = rows.order.shape[0]
-    layout = tile_layout(rows.group_sizes, num_rows, mosaic_gpu.BLOCK_M)
-    filled = layout.source < num_rows
-    pairs = jnp.where(filled, rows.order[jnp.where(filled, layout.source, 0)], num_rows)
-    slots = layout.destination[rows.inverse]
-    y_tiles = _tiled_ffn(expand_tokens(x, pairs, slots, k), layout, experts, activation)
-    return permute_rows(y_tiles, slots, pairs)
+    layout = tile_layout(rows.group_sizes, rows.order.shape[0], mosaic_gpu.BLOCK_M)
+    layout = reorder(layout, rows.order, rows.inverse)  # tiles <-> (token, choice) pairs
+    x_tiles = expand_tokens(x, layout.source, layout.destination, k)
+    return from_tiles(_tiled_ffn(x_tiles, layout, experts, activation), layout)
 
 
 def batched_ffn(buffers: jax.Array, experts: ExpertWeights, activation: Activation) -> jax.Array:
@@ -208,7 +217,8 @@ class ExpertFFN(NamedTuple):
     signatures wrap an exchange between devices around the local experts (expert_parallel.py).
     """
 
-    grouped: Callable[[jax.Array, jax.Array], jax.Array]  # ([R, D] sorted, [E] sizes) -> [R, D]
+    # ([R, D] rows, [E] sizes, their order into expert order or None if sorted) -> [R, D]
+    grouped: Callable[[jax.Array, jax.Array, RowOrder | None], jax.Array]
     batched: Callable[[jax.Array], jax.Array]  # [E, C, D] -> [E, C, D]
     # dropless straight from tokens: ([N, D], rows, k) -> [N·k, D] in (token, choice) order;
     # None: through `grouped` on sorted rows.
@@ -218,7 +228,9 @@ class ExpertFFN(NamedTuple):
 def local_ffn(experts: ExpertWeights, activation: Activation, impl: str = "xla") -> ExpertFFN:
     """All E experts on this device; impl: the grouped matmul's (`grouped_matmul_impl`)."""
     return ExpertFFN(
-        grouped=lambda x_sorted, sizes: grouped_ffn(x_sorted, sizes, experts, activation, impl),
+        grouped=lambda x, sizes, order=None: grouped_ffn(
+            x, sizes, experts, activation, impl, order
+        ),
         batched=lambda buffers: batched_ffn(buffers, experts, activation),
         pairs=(
             functools.partial(tiled_pairs_ffn, experts=experts, activation=activation)

@@ -68,6 +68,19 @@ def tile_layout(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileLayo
     return TileLayout(destination, source, tile_expert, first_tile, expert_tiles)
 
 
+def reorder(layout: TileLayout, source: jax.Array, position: jax.Array) -> TileLayout:
+    """The layout of rows that are in expert order only after a permutation.
+
+    source[i]: the row that is sorted row i; position[r]: the sorted place of row r (inverse
+    partial permutations, as for `permute_rows`). `to_tiles` / `from_tiles` with the result move
+    rows in their own order straight into and out of the tiles, skipping the sorted copy.
+    """
+    num_rows = source.shape[0]
+    filled = layout.source < num_rows
+    tile_source = jnp.where(filled, source[jnp.where(filled, layout.source, 0)], num_rows)
+    return layout._replace(source=tile_source, destination=layout.destination[position])
+
+
 def inverse_permutation(index: jax.Array) -> jax.Array:
     """inverse[index[i]] = i for a permutation `index` of 0..n-1."""
     return jnp.zeros_like(index).at[index].set(jnp.arange(index.shape[0], dtype=index.dtype))

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_cases import assert_trees_close, inputs, moe_config, random_state, run, with_moe
 
-from m3jax.moe_dispatch import capacity, sort_rows
+from m3jax.moe_dispatch import ExpertWeights, RowOrder, capacity, grouped_ffn, sort_rows
 
 
 def test_capacity_is_factor_times_fair_share_clipped_to_tokens():
@@ -111,3 +111,41 @@ def test_moe_block_with_the_kernel_equals_ragged_dot():
     for a, b in zip(jax.tree.leaves((got[0], got[2])), jax.tree.leaves((expected[0], expected[2]))):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.abs(a - b).max() <= 3e-2 * np.abs(b).max()
+
+
+@pytest.mark.parametrize("impl", ["xla", "mosaic_gpu"])
+def test_grouped_ffn_in_row_order_equals_sorting_first(impl):
+    """Rows that reach expert order only through a permutation (as the EP exchange receives them),
+    with unused rows at the end: the result comes back in the rows' own order, and equals
+    sorting first, running the sorted rows, and unsorting; outputs and gradients."""
+    rng = np.random.default_rng(2)
+    sizes = jnp.asarray([70, 0, 131, 9], jnp.int32)  # an idle expert, tiles straddled
+    used, num_rows, dim, width = int(sizes.sum()), 256, 128, 128
+    position = np.arange(num_rows, dtype=np.int32)
+    position[:used] = rng.permutation(used)  # unused rows stay put, as in the exchange
+    order = RowOrder(jnp.asarray(np.argsort(position), jnp.int32), jnp.asarray(position))
+    x, cotangent = (jnp.asarray(rng.normal(0, 1, (num_rows, dim)), jnp.bfloat16) for _ in range(2))
+    experts = ExpertWeights(
+        *(jnp.asarray(rng.normal(0, 0.1, shape), jnp.bfloat16)
+          for shape in ((4, dim, width), (4, dim, width), (4, width, dim)))
+    )  # fmt: skip
+    activation = lambda gate, up: jax.nn.silu(gate) * up  # noqa: E731
+
+    def in_order(x, experts):
+        return grouped_ffn(x, sizes, experts, activation, impl, order)
+
+    def sorting_first(x, experts):
+        x_sorted = x[order.source]
+        return grouped_ffn(x_sorted, sizes, experts, activation, "xla")[order.position]
+
+    def value_and_grads(fn):
+        y, pullback = jax.vjp(fn, x, experts)
+        return y, pullback(cotangent)
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        got = value_and_grads(in_order)
+    expected = value_and_grads(sorting_first)
+    assert not np.asarray(got[0][used:], np.float32).any()  # unused rows: no expert, zero
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()

@@ -1,0 +1,89 @@
+"""Where a profiled program's device time goes: kernel time by name from a jax.profiler trace.
+
+Usage (a trace written by `jax.profiler.trace(dir, create_perfetto_trace=True)`):
+    python -m benchmarks.trace_summary DIR [--top 30] [--steps 3]
+
+For each device it prints the time its kernels ran (summed, and as the union of their intervals,
+which differ where streams overlap) and the kernels that took most of it, divided by --steps.
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+
+
+def load_events(trace_dir: str) -> tuple[list[dict], dict[int, str]]:
+    """The newest perfetto trace under `trace_dir`: its complete events and process names."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(max(paths, key=os.path.getmtime)) as f:
+        events = json.load(f)["traceEvents"]
+    processes = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    return [e for e in events if e.get("ph") == "X" and "dur" in e], processes
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize(trace_dir: str, device_prefix: str = "/device:GPU") -> dict[str, dict]:
+    """Per device (process name containing `device_prefix`): kernel time in µs by name,
+    the summed and the busy (interval-union) time."""
+    events, processes = load_events(trace_dir)
+    by_device = collections.defaultdict(list)
+    for event in events:
+        name = processes.get(event["pid"], "")
+        if device_prefix in name:
+            by_device[name].append(event)
+    if not by_device:
+        print(
+            f"trace_summary: no process named like {device_prefix!r} in {sorted(set(processes.values()))}"
+        )
+    out = {}
+    for device, device_events in sorted(by_device.items()):
+        kernels = collections.Counter()
+        for event in device_events:
+            kernels[event["name"]] += event["dur"]
+        intervals = [(e["ts"], e["ts"] + e["dur"]) for e in device_events]
+        out[device] = dict(kernels=kernels, summed=sum(kernels.values()), busy=busy_time(intervals))
+    return out
+
+
+def report(summary: dict[str, dict], steps: int = 1, top: int = 30) -> str:
+    lines = []
+    for device, parts in summary.items():
+        lines.append(
+            f"{device}: kernels {parts['summed'] / steps / 1e3:.2f} ms/step summed, "
+            f"{parts['busy'] / steps / 1e3:.2f} ms/step busy"
+        )
+        for name, micros in parts["kernels"].most_common(top):
+            lines.append(f"  {micros / steps / 1e3:8.3f} ms  {name[:110]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace_dir")
+    parser.add_argument("--steps", type=int, default=1, help="profiled steps (divides times)")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--device-prefix", default="/device:GPU")
+    args = parser.parse_args()
+    print(report(summarize(args.trace_dir, args.device_prefix), args.steps, args.top))
+
+
+if __name__ == "__main__":
+    main()

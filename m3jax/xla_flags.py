@@ -1,0 +1,25 @@
+"""XLA flags m3jax relies on, added to XLA_FLAGS when m3jax is imported (before any backend starts).
+
+- `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`: XLA:GPU's native
+  ragged-all-to-all moved our dropless expert-parallel exchange at a small fraction of NVLink
+  bandwidth (EP=2 at 0.09 of one H200's throughput; reported upstream as openxla/xla#33386); the
+  decomposer rewrites it into all-to-all and dynamic slices (0.61 in the same run,
+  benchmarks/RESULTS.md). Other backends ignore the flag.
+
+A flag the user already set in XLA_FLAGS (either value) is left as it is. XLA reads the variable
+once, when the first backend starts: importing m3jax after running a computation has no effect.
+"""
+
+import os
+
+FLAGS = {"--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": "true"}
+
+
+def with_defaults(xla_flags: str) -> str:
+    """`xla_flags` plus each of FLAGS it does not set already."""
+    missing = [f"{name}={value}" for name, value in FLAGS.items() if name not in xla_flags]
+    return " ".join([xla_flags, *missing]).strip()
+
+
+def apply() -> None:
+    os.environ["XLA_FLAGS"] = with_defaults(os.environ.get("XLA_FLAGS", ""))
