@@ -312,15 +312,18 @@ def layer_label(shape: dict, tokens: int, local_experts: int, experts: int) -> s
             f"F={shape['expert_dim']}")  # fmt: skip
 
 
+EXCHANGES = {"dropless": "ragged", "capacity": "capacity"}  # dispatch mode -> its EP exchange
+
+
 def layer_rows(
-    shape: dict, dense_tflops: float, peak: float, repeats: int, profile: str | None = None
+    shape: dict, dense_tflops: float, peak: float, repeats: int, profile=None, modes=EXCHANGES
 ) -> tuple[list, dict]:
     """The layer on one device, both dispatch modes; also returns each mode's seconds.
     With `profile` (a folder), each mode's device time is broken down too."""
     tokens, experts = shape["layer_tokens"], shape["layer_experts"]
     flops = layer_flops(shape, tokens, experts)
     out, seconds_by_mode = [], {}
-    for dispatch in ("dropless", "capacity"):
+    for dispatch in modes:
         config = layer_config(shape, experts, dispatch)
         inputs = (layer_state(config), *layer_inputs(1, tokens, shape["dim"]))
         trace_dir = profile and f"{profile}/layer-{dispatch}"
@@ -336,14 +339,22 @@ def layer_rows(
 
 
 def ep_rows(
-    shape: dict, ep: int, one_device: dict, dense_tflops, peak, repeats, profile=None
+    shape: dict,
+    ep: int,
+    one_device: dict,
+    dense_tflops,
+    peak,
+    repeats,
+    profile=None,
+    modes=EXCHANGES,
 ) -> list[dict]:
     """The layer over `ep` devices, each with the tokens and local experts of the 1-device run."""
     mesh = sharding.make_mesh({"expert": ep}, devices=jax.devices()[:ep])
     tokens, experts = shape["layer_tokens"], shape["layer_experts"] * ep
     flops = layer_flops(shape, tokens, experts)  # per device (its router scores all experts)
     out = []
-    for dispatch, exchange in (("dropless", "ragged"), ("capacity", "capacity")):
+    for dispatch in modes:
+        exchange = EXCHANGES[dispatch]
         config = layer_config(shape, experts, dispatch)
         state = layer_state(config, mesh)
         x, cotangent = layer_inputs(ep, tokens, shape["dim"], mesh)
@@ -379,7 +390,7 @@ def per_shard_reference(config: ModelConfig, state: dict, x: jax.Array, cotangen
     return jnp.concatenate(outs), (state_grad, jnp.concatenate(x_grads))
 
 
-def check(shape: dict, ep: int) -> dict:
+def check(shape: dict, ep: int, modes=EXCHANGES) -> dict:
     """fp32, small: each dispatch (and EP exchange) vs the dense reference layer, forward and
     gradients (params and input)."""
     small = {**shape, **shape["check"]}
@@ -398,7 +409,7 @@ def check(shape: dict, ep: int) -> dict:
     if ep > 1:
         meshes[f"EP{ep} "] = sharding.make_mesh({"expert": ep}, devices=jax.devices()[:ep])
     result = {}
-    for dispatch in ("dropless", "capacity"):
+    for dispatch in modes:
         # capacity_factor E/k: C = N, nothing drops
         config = layer_config(small, experts, dispatch, "float32", experts / small["k"])
         for prefix, mesh in meshes.items():
@@ -453,6 +464,8 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="first time each kernel per tiling")
     parser.add_argument("--tilings", type=int, default=len(TILINGS), help="--tune: how many")
     parser.add_argument("--variants", nargs="+", help="matmul variants to run (default: all)")
+    parser.add_argument("--dispatch", nargs="+", choices=list(EXCHANGES), default=list(EXCHANGES),
+                        help="the layer's dispatch modes (and so EP exchanges) to run")  # fmt: skip
     parser.add_argument("--profile", help="folder: profile the layer runs, print their kernels")
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else FULL)
@@ -463,7 +476,7 @@ def main() -> None:
     if args.ep > jax.device_count():
         parser.error(f"--ep {args.ep} needs {args.ep} devices, found {jax.device_count()}")
 
-    checks = check(shape, args.ep)
+    checks = check(shape, args.ep, args.dispatch)
     print("check:", checks, flush=True)
     rows = []
     if args.tune:
@@ -485,11 +498,13 @@ def main() -> None:
     rows += layer_matmuls
     dense = next(r["tflops"] for r in layer_matmuls if r["variant"] == "dense matmul fwd+bwd")
     peak = args.peak_tflops * 1e12
-    layer, one_device = layer_rows(shape, dense, peak, args.repeats, args.profile)
+    layer, one_device = layer_rows(shape, dense, peak, args.repeats, args.profile, args.dispatch)
     rows += layer
     if args.ep > 1:
-        rows += ep_rows(shape, args.ep, one_device, dense, peak, args.repeats, args.profile)
-    for row in rows[-len(layer_matmuls) - len(layer) - 2 * (args.ep > 1) :]:
+        rows += ep_rows(
+            shape, args.ep, one_device, dense, peak, args.repeats, args.profile, args.dispatch
+        )
+    for row in rows[-len(layer_matmuls) - len(layer) * (1 + (args.ep > 1)) :]:
         print(table_line(row), flush=True)
     section = markdown(rows, args, checks)
     print("\n" + section)
