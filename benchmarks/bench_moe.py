@@ -1,6 +1,7 @@
 """MoE at M3's expert shapes: grouped-matmul variants, the whole MoE layer, expert parallelism.
 
     python -m benchmarks.bench_moe [--experts 8 32] [--rows 32768 131072] [--ep 2] [--output F]
+    python -m benchmarks.bench_moe --ep-only --ep 2 [--exchanges padded] [--profile DIR]
     python -m benchmarks.bench_moe --smoke [--ep 2]   # tiny shapes: does everything run (CPU)
 
 1. Matmuls, bf16, D 6144 -> F 3072 (M3's expert width), per (E local experts, M routed token
@@ -10,13 +11,14 @@
 2. The MoE layer on one device (router, sort/permute, experts, combine, shared expert), forward +
    backward, dropless and capacity dispatch; TFLOP/s of useful work and MFU vs --peak-tflops.
 3. With --ep P: the same layer with P× the tokens and P× the experts over P devices, i.e. the same
-   tokens and local experts per device as in 2, ragged and capacity exchange: per-device throughput
+   tokens and local experts per device as in 2, per EP exchange (dropless: ragged or padded,
+   m3jax/expert_parallel.py; capacity): per-device throughput
    against 1 device ("vs 1 dev" = 1-device time / EP time), and the error of the EP output and
    gradients against each device's token shard run through the layer alone on one device (capacity
    is per device, so this holds with drops too).
 A check runs first (fp32, small shapes): every dispatch mode and EP exchange against the dense
-reference layer, outputs and gradients. Times are medians of --repeats after a warm-up; "vs dense" = this row's TFLOP/s /
-the dense matmul's at the same M (same phase); max err = max|y - ref| / max|ref| against an fp32
+reference layer, outputs and gradients. Times are medians of --repeats after a warm-up; "vs
+dense" = this row's TFLOP/s / the dense matmul's at the same M (same phase); max err = max|y - ref| / max|ref| against an fp32
 reference (grouped variants: the ragged_dot reference; backward rows: dX and dW). The last stdout
 line is JSON.
 """
@@ -241,11 +243,16 @@ def tiling_rows(rows: int, experts: int, shape: dict, repeats: int, tilings: int
 
 
 def layer_config(
-    shape: dict, experts: int, dispatch: str, dtype: str = "bfloat16", capacity_factor=1.25
+    shape: dict,
+    experts: int,
+    dispatch: str,
+    dtype="bfloat16",
+    capacity_factor=1.25,
+    exchange="ragged",
 ) -> ModelConfig:
     moe = MoEConfig(num_experts=experts, experts_per_token=shape["k"],
                     expert_dim=shape["expert_dim"], shared_expert_dim=shape["expert_dim"],
-                    dispatch=dispatch, capacity_factor=capacity_factor)  # fmt: skip
+                    dispatch=dispatch, capacity_factor=capacity_factor, exchange=exchange)  # fmt: skip
     return ModelConfig(vocab_size=16, hidden_size=shape["dim"], num_layers=1, dtype=dtype,
                        layer_types=("full_attention",), mlp_layer_types=("sparse",), moe=moe)  # fmt: skip
 
@@ -312,11 +319,20 @@ def layer_label(shape: dict, tokens: int, local_experts: int, experts: int) -> s
             f"F={shape['expert_dim']}")  # fmt: skip
 
 
-EXCHANGES = {"dropless": "ragged", "capacity": "capacity"}  # dispatch mode -> its EP exchange
+# EP exchange -> (dispatch mode, moe.exchange): the two dropless exchanges and the capacity one
+EXCHANGES = {
+    "ragged": ("dropless", "ragged"),
+    "padded": ("dropless", "padded"),
+    "capacity": ("capacity", "ragged"),
+}
+
+
+def dispatch_modes(exchanges) -> list[str]:
+    return list(dict.fromkeys(EXCHANGES[e][0] for e in exchanges))
 
 
 def layer_rows(
-    shape: dict, dense_tflops: float, peak: float, repeats: int, profile=None, modes=EXCHANGES
+    shape: dict, dense_tflops, peak: float, repeats: int, profile=None, modes=("dropless",)
 ) -> tuple[list, dict]:
     """The layer on one device, both dispatch modes; also returns each mode's seconds.
     With `profile` (a folder), each mode's device time is broken down too."""
@@ -331,7 +347,7 @@ def layer_rows(
         seconds_by_mode[dispatch] = seconds
         tflops = flops / seconds / 1e12
         out.append(dict(variant=f"layer {dispatch} fwd+bwd", ms=seconds * 1e3, tflops=tflops,
-                        vs_dense=tflops / dense_tflops, mfu=tflops * 1e12 / peak,
+                        vs_dense=dense_tflops and tflops / dense_tflops, mfu=tflops * 1e12 / peak,
                         dropped=float(dropped),
                         shape=layer_label(shape, tokens, experts, experts)))  # fmt: skip
         print(table_line(out[-1]), flush=True)
@@ -346,16 +362,16 @@ def ep_rows(
     peak,
     repeats,
     profile=None,
-    modes=EXCHANGES,
+    exchanges=tuple(EXCHANGES),
 ) -> list[dict]:
     """The layer over `ep` devices, each with the tokens and local experts of the 1-device run."""
     mesh = sharding.make_mesh({"expert": ep}, devices=jax.devices()[:ep])
     tokens, experts = shape["layer_tokens"], shape["layer_experts"] * ep
     flops = layer_flops(shape, tokens, experts)  # per device (its router scores all experts)
     out = []
-    for dispatch in modes:
-        exchange = EXCHANGES[dispatch]
-        config = layer_config(shape, experts, dispatch)
+    for exchange in exchanges:
+        dispatch = EXCHANGES[exchange][0]
+        config = layer_config(shape, experts, dispatch, exchange=EXCHANGES[exchange][1])
         state = layer_state(config, mesh)
         x, cotangent = layer_inputs(ep, tokens, shape["dim"], mesh)
         trace_dir = profile and f"{profile}/ep{ep}-{exchange}"
@@ -365,7 +381,7 @@ def ep_rows(
         actual = (forward_pass(config, mesh)(state, x), grads)
         tflops = flops / seconds / 1e12
         out.append(dict(variant=f"EP{ep} {exchange} fwd+bwd", ms=seconds * 1e3, tflops=tflops,
-                        vs_dense=tflops / dense_tflops, mfu=tflops * 1e12 / peak,
+                        vs_dense=dense_tflops and tflops / dense_tflops, mfu=tflops * 1e12 / peak,
                         vs_one_device=one_device[dispatch] / seconds, dropped=float(dropped),
                         max_err=relative_error(jax.device_put(actual, jax.devices()[0]),
                                                per_shard_reference(config, state, x, cotangent)),
@@ -390,7 +406,7 @@ def per_shard_reference(config: ModelConfig, state: dict, x: jax.Array, cotangen
     return jnp.concatenate(outs), (state_grad, jnp.concatenate(x_grads))
 
 
-def check(shape: dict, ep: int, modes=EXCHANGES) -> dict:
+def check(shape: dict, ep: int, exchanges=tuple(EXCHANGES)) -> dict:
     """fp32, small: each dispatch (and EP exchange) vs the dense reference layer, forward and
     gradients (params and input)."""
     small = {**shape, **shape["check"]}
@@ -404,17 +420,19 @@ def check(shape: dict, ep: int, modes=EXCHANGES) -> dict:
             state, x, cotangent
         )[0]
 
-    expected = results(dense, None)
-    meshes = {"": None}
-    if ep > 1:
-        meshes[f"EP{ep} "] = sharding.make_mesh({"expert": ep}, devices=jax.devices()[:ep])
-    result = {}
-    for dispatch in modes:
+    def error(dispatch, mesh=None, exchange="ragged"):
         # capacity_factor E/k: C = N, nothing drops
-        config = layer_config(small, experts, dispatch, "float32", experts / small["k"])
-        for prefix, mesh in meshes.items():
-            actual = jax.device_put(results(config, mesh), jax.devices()[0])
-            result[f"{prefix}{dispatch} vs dense"] = relative_error(actual, expected)
+        config = layer_config(small, experts, dispatch, "float32", experts / small["k"], exchange)
+        return relative_error(jax.device_put(results(config, mesh), jax.devices()[0]), expected)
+
+    expected = results(dense, None)
+    result = {f"{dispatch} vs dense": error(dispatch) for dispatch in dispatch_modes(exchanges)}
+    if ep > 1:
+        mesh = sharding.make_mesh({"expert": ep}, devices=jax.devices()[:ep])
+        for name in exchanges:
+            result[f"EP{ep} {name} vs dense"] = error(
+                *EXCHANGES[name][:1], mesh, EXCHANGES[name][1]
+            )
     return result
 
 
@@ -444,7 +462,7 @@ def markdown(rows: list[dict], args, checks: dict) -> str:
 
 
 def table_line(row: dict) -> str:
-    cell = lambda key, spec: format(row[key], spec) if key in row else ""
+    cell = lambda key, spec: "" if row.get(key) is None else format(row[key], spec)
     return (f"| {row['variant']} | {row['shape']} | {cell('ms', '.2f')} | {cell('tflops', '.1f')} | "
             f"{cell('vs_dense', '.2f')} | {cell('mfu', '.2f')} | {cell('vs_one_device', '.2f')} | "
             f"{cell('dropped', '.3f')} | {cell('max_err', '.1e')} |")  # fmt: skip
@@ -464,8 +482,15 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="first time each kernel per tiling")
     parser.add_argument("--tilings", type=int, default=len(TILINGS), help="--tune: how many")
     parser.add_argument("--variants", nargs="+", help="matmul variants to run (default: all)")
-    parser.add_argument("--dispatch", nargs="+", choices=list(EXCHANGES), default=list(EXCHANGES),
-                        help="the layer's dispatch modes (and so EP exchanges) to run")  # fmt: skip
+    parser.add_argument(
+        "--exchanges",
+        nargs="+",
+        choices=list(EXCHANGES),
+        default=list(EXCHANGES),
+        help="EP exchanges to run (and the layer's dispatch modes they use)",
+    )
+    parser.add_argument("--ep-only", action="store_true",
+                        help="the layer on 1 and --ep devices only: no matmuls (no vs dense)")  # fmt: skip
     parser.add_argument("--profile", help="folder: profile the layer runs, print their kernels")
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else FULL)
@@ -476,15 +501,22 @@ def main() -> None:
     if args.ep > jax.device_count():
         parser.error(f"--ep {args.ep} needs {args.ep} devices, found {jax.device_count()}")
 
-    checks = check(shape, args.ep, args.dispatch)
+    started = time.perf_counter()
+
+    def stage(name: str) -> None:  # where a long run spends its minutes (compiles, references)
+        print(f"[{time.perf_counter() - started:6.0f} s] {name}", flush=True)
+
+    checks = check(shape, args.ep, args.exchanges)
     print("check:", checks, flush=True)
     rows = []
     if args.tune:
+        stage("tilings")
         rows += tiling_rows(
             shape["rows"][0], shape["experts"][0], shape, args.repeats, args.tilings
         )
-    for experts in [] if args.layer_only else shape["experts"]:
+    for experts in [] if args.layer_only or args.ep_only else shape["experts"]:
         for m in shape["rows"]:
+            stage(f"matmuls E={experts} M={m}")
             rows += matmul_rows(m, experts, shape, args.repeats)
             for row in rows[-2 * len(VARIANTS) :]:
                 print(table_line(row), flush=True)
@@ -492,19 +524,28 @@ def main() -> None:
         print("\n" + markdown(rows, args, checks))
         return
     # The matmuls at the layer's own expert shape, then the layer (and EP) against them.
-    layer_matmuls = matmul_rows(
-        shape["layer_tokens"] * shape["k"], shape["layer_experts"], shape, args.repeats
-    )
-    rows += layer_matmuls
-    dense = next(r["tflops"] for r in layer_matmuls if r["variant"] == "dense matmul fwd+bwd")
-    peak = args.peak_tflops * 1e12
-    layer, one_device = layer_rows(shape, dense, peak, args.repeats, args.profile, args.dispatch)
-    rows += layer
-    if args.ep > 1:
-        rows += ep_rows(
-            shape, args.ep, one_device, dense, peak, args.repeats, args.profile, args.dispatch
+    dense, layer_matmuls = None, []
+    if not args.ep_only:
+        stage("matmuls at the layer's shape")
+        layer_matmuls = matmul_rows(
+            shape["layer_tokens"] * shape["k"], shape["layer_experts"], shape, args.repeats
         )
-    for row in rows[-len(layer_matmuls) - len(layer) * (1 + (args.ep > 1)) :]:
+        dense = next(r["tflops"] for r in layer_matmuls if r["variant"] == "dense matmul fwd+bwd")
+    rows += layer_matmuls
+    peak = args.peak_tflops * 1e12
+    stage("layer, 1 device")
+    modes = dispatch_modes(args.exchanges)
+    layer, one_device = layer_rows(shape, dense, peak, args.repeats, args.profile, modes)
+    rows += layer
+    ep = []
+    if args.ep > 1:
+        stage(f"layer, {args.ep} devices")
+        ep = ep_rows(
+            shape, args.ep, one_device, dense, peak, args.repeats, args.profile, args.exchanges
+        )
+    rows += ep
+    stage("done")
+    for row in layer_matmuls + layer + ep:
         print(table_line(row), flush=True)
     section = markdown(rows, args, checks)
     print("\n" + section)

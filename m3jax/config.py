@@ -14,6 +14,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("reference", "xla")
 MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe_dispatch.py
 GROUPED_MATMUL_IMPLS = ("auto", "xla", "mosaic_gpu")  # m3jax/moe_dispatch.grouped_matmul_impl
+EP_EXCHANGES = ("ragged", "padded")  # m3jax/expert_parallel.py, dropless dispatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +63,12 @@ class MoEConfig:
     # dropless: the grouped matmul's implementation. auto = the Pallas Mosaic GPU kernel on GPUs
     # (bf16/f16, widths multiples of 128), else XLA's ragged_dot.
     grouped_matmul: str = "auto"
+    # dropless with mesh.expert > 1: how rows travel. ragged = jax.lax.ragged_all_to_all of exactly
+    # the rows; padded = fixed-size all_to_all blocks of ⌈exchange_factor · tokens · k / P⌉ rows per
+    # device pair, the worst case (tokens · min(k, E/P)) only in steps where a block would overflow.
+    # Both exact.
+    exchange: str = "ragged"
+    exchange_factor: float = 1.25
 
     def __post_init__(self):
         _require_positive_ints(self, "moe.")
@@ -78,8 +85,11 @@ class MoEConfig:
             raise ValueError(
                 f"moe.grouped_matmul={self.grouped_matmul!r} is not one of {GROUPED_MATMUL_IMPLS}"
             )
-        if not self.capacity_factor > 0:
-            raise ValueError(f"moe.capacity_factor={self.capacity_factor} must be > 0")
+        if self.exchange not in EP_EXCHANGES:
+            raise ValueError(f"moe.exchange={self.exchange!r} is not one of {EP_EXCHANGES}")
+        for name in ("capacity_factor", "exchange_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"moe.{name}={getattr(self, name)} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

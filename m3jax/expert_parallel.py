@@ -14,6 +14,10 @@ Exchanges, by `model.moe.dispatch`:
   every device picking this device's experts). XLA:CPU does not implement ragged-all-to-all
   (jax 0.11.2: "UNIMPLEMENTED: HLO opcode `ragged-all-to-all`"): on the CPU backend an
   all_gather-based equivalent with the same arguments and result runs instead.
+  With `moe.exchange: padded` instead: `jax.lax.all_to_all` of fixed blocks of
+  ⌈exchange_factor · N·k / P⌉ rows per device pair, zero-padded, and back; in a step where some
+  device has more rows than that for some peer, every device takes the branch with blocks of the
+  worst case N · min(k, E/P) instead (a `lax.cond` on a global max), so this is exact too.
 - capacity: `jax.lax.all_to_all` of the fixed [E, C, D] capacity buffers (C per expert and source
   device, moe_dispatch.capacity over the device's N tokens), one batched einsum over the
   [E/P, P·C, D] buffers received, the same all_to_all back. Rows past C are dropped and counted.
@@ -42,7 +46,7 @@ from m3jax.moe_dispatch import (
     local_ffn,
     sorted_experts,
 )
-from pallas_kernels.moe.tiles import inverse_permutation
+from pallas_kernels.moe.tiles import inverse_permutation, permute_rows
 
 EXPERT_AXIS = "expert"
 
@@ -58,6 +62,8 @@ def routed_experts(
     dispatch: str,
     capacity_factor: float,
     grouped_matmul: str = "xla",
+    exchange: str = "ragged",
+    exchange_factor: float = 1.25,
 ) -> tuple[jax.Array, jax.Array]:
     """The routed experts with tokens and experts spread over `mesh` (any axis sizes).
 
@@ -66,6 +72,7 @@ def routed_experts(
       experts: all E experts' weights ([E, D, F], [E, D, F], [E, F, D]) in x's dtype.
       dispatch: "dropless" or "capacity" (see the module docstring).
       grouped_matmul: the local experts' grouped matmul (moe_dispatch.grouped_matmul_impl).
+      exchange, exchange_factor: dropless only, how rows travel (see the module docstring).
     Returns:
       routed output [B, S, D] (before routed_scaling) and the global number of dropped rows.
     """
@@ -79,6 +86,8 @@ def routed_experts(
         dispatch=dispatch,
         capacity_factor=capacity_factor,
         grouped_matmul=grouped_matmul,
+        exchange=exchange,
+        exchange_factor=exchange_factor,
         token_axes=(*batch_axes, *seq_axes),
         emulate_ragged=_lacks_ragged_all_to_all(mesh),
     )
@@ -122,6 +131,8 @@ def _routed_on_device(
     dispatch: str,
     capacity_factor: float,
     grouped_matmul: str,
+    exchange: str,
+    exchange_factor: float,
     token_axes: tuple[str, ...],
     emulate_ragged: bool,
 ) -> tuple[jax.Array, jax.Array]:
@@ -132,15 +143,21 @@ def _routed_on_device(
     num_tokens = math.prod(shape[:-1])
     ffn = local_ffn(experts, activation, grouped_matmul)
     if parts > 1:
-        ffn = ExpertFFN(
-            grouped=functools.partial(
-                _ragged_exchange,
+        worst = num_tokens * min(k, local_experts)  # the most rows a device can send one peer
+        if exchange == "ragged":
+            grouped = functools.partial(
+                _ragged_exchange, local=ffn.grouped, rows_per_source=worst, emulate=emulate_ragged
+            )
+        else:
+            block = min(worst, math.ceil(exchange_factor * num_tokens * k / parts))
+            grouped = functools.partial(
+                _padded_exchange,
                 local=ffn.grouped,
-                rows_per_source=num_tokens * min(k, local_experts),
-                emulate=emulate_ragged,
-            ),
-            batched=functools.partial(_capacity_exchange, local=ffn.batched),
-        )
+                block_rows=block,
+                worst_rows=worst,
+                token_axes=token_axes,
+            )
+        ffn = ExpertFFN(grouped, functools.partial(_capacity_exchange, local=ffn.batched))
     routed, dropped = sorted_experts(
         x.reshape(num_tokens, shape[-1]),
         chosen.reshape(num_tokens, k),
@@ -184,33 +201,85 @@ def _ragged_exchange(
     # get an implicit pvary whose transpose sums their gradient over devices.
     buffer = jnp.zeros_like(x_sorted, shape=(parts * rows_per_source, x_sorted.shape[1]))
     received = exchange(x_sorted, buffer, send_offsets, send_sizes, remote_recv_offsets, recv_sizes)
-    position = expert_major_positions(recv_counts, buffer.shape[0])  # a permutation of the rows
-    source = inverse_permutation(position)
-    y = local(received, recv_counts.sum(0), RowOrder(source, position))  # in received order
+    y = local(
+        received, recv_counts.sum(0), expert_major_order(recv_counts, recv_offsets, len(buffer))
+    )
     return exchange(
         y, jnp.zeros_like(x_sorted), recv_offsets, recv_sizes, remote_send_offsets, send_sizes
     )
 
 
-def expert_major_positions(recv_counts: jax.Array, num_rows: int) -> jax.Array:
-    """Where each received row goes when regrouped from source-major to expert-major order.
+def expert_major_order(recv_counts: jax.Array, source_starts: jax.Array, num_rows: int) -> RowOrder:
+    """How received rows regroup from source-major to expert-major order (both ways).
 
-    recv_counts: [P, E_local], rows from source s for local expert j; the buffer holds the blocks
-    (s, j) back to back in source-major order, then padding. Returns [num_rows] int32, a
-    permutation: the row of block (s, j) at offset r goes to start_j + Σ_{s'<s} counts[s', j] + r;
-    padding rows stay where they are (after every real row).
+    recv_counts: [P, E_local], rows from source s for local expert j; source s's rows start at
+    source_starts[s] in the buffer of `num_rows`, as blocks (s, 0), (s, 1), ... back to back; any
+    other row is padding. The row of block (s, j) at offset r goes to sorted position
+    start_j + Σ_{s'<s} counts[s', j] + r; padding rows get none (position num_rows).
     """
     blocks = recv_counts.reshape(-1)
-    block_end = jnp.cumsum(blocks)
+    within_source = _exclusive_cumsum(recv_counts, axis=1)
+    block_start = (source_starts[:, None] + within_source).reshape(-1)
     group_start = _exclusive_cumsum(recv_counts.sum(0))  # [E_local]
     target = (group_start[None, :] + _exclusive_cumsum(recv_counts, axis=0)).reshape(-1)
     row = jnp.arange(num_rows, dtype=jnp.int32)
-    block = jnp.searchsorted(block_end, row, side="right")  # == P·E_local for padding rows
-    last = blocks.shape[0] - 1
-    within = row - (block_end - blocks)[jnp.minimum(block, last)]
-    return jnp.where(block <= last, target[jnp.minimum(block, last)] + within, row).astype(
-        jnp.int32
+    # The last block starting at or before the row: of blocks that share a start, only the last
+    # can hold rows.
+    block = jnp.searchsorted(block_start, row, side="right", method="compare_all") - 1
+    block = jnp.maximum(block, 0)
+    offset = row - block_start[block]
+    inside = (offset >= 0) & (offset < blocks[block])
+    position = jnp.where(inside, target[block] + offset, num_rows).astype(jnp.int32)
+    return RowOrder(inverse_permutation(position), position)
+
+
+def _padded_exchange(
+    x_sorted: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    local,
+    block_rows: int,
+    worst_rows: int,
+    token_axes: tuple[str, ...],
+) -> jax.Array:
+    """`_ragged_exchange`'s result through fixed-size all_to_all blocks.
+
+    Each device sends each peer one block of `block_rows` rows (its rows for that peer's experts,
+    zero-padded). When any device has more rows than that for a peer, every device takes the
+    branch with blocks of `worst_rows` instead, so no row is ever dropped; both branches are
+    compiled, one runs (the choice is global, so the collectives inside match on every device).
+    """
+    parts = jax.lax.axis_size(EXPERT_AXIS)
+    counts = group_sizes.reshape(parts, -1)  # [P, E/P]: rows for device p's local expert j
+    send_sizes = counts.sum(1)
+    recv_counts = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)  # [P(source), E/P]
+    round_trip = functools.partial(
+        _padded_round_trip, x_sorted, send_sizes, recv_counts, local=local
     )
+    if block_rows >= worst_rows:
+        return round_trip(worst_rows)
+    fits = jax.lax.pmax(send_sizes.max(), token_axes) <= block_rows
+    return jax.lax.cond(
+        fits, functools.partial(round_trip, block_rows), functools.partial(round_trip, worst_rows)
+    )
+
+
+def _padded_round_trip(x_sorted, send_sizes, recv_counts, block: int, *, local) -> jax.Array:
+    """Rows out in [P, block] blocks, through the local experts, back, in sorted order."""
+    parts, num_rows, dim = recv_counts.shape[0], x_sorted.shape[0], x_sorted.shape[1]
+    slot = jnp.arange(block, dtype=jnp.int32)
+    send_starts = _exclusive_cumsum(send_sizes)
+    # Slot (p, i) of the send blocks holds sorted row send_starts[p] + i, or nothing (zeros).
+    pack = jnp.where(slot < send_sizes[:, None], send_starts[:, None] + slot, num_rows)
+    pack = pack.reshape(-1).astype(jnp.int32)
+    unpack = inverse_permutation(pack, num_rows)  # where each sorted row sits in the blocks
+    sent = permute_rows(x_sorted, pack, unpack).reshape(parts, block, dim)
+    received = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, dim)
+    source_starts = jnp.arange(parts, dtype=jnp.int32) * block
+    order = expert_major_order(recv_counts, source_starts, parts * block)
+    y = local(received, recv_counts.sum(0), order).reshape(parts, block, dim)
+    returned = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, dim)
+    return permute_rows(returned, unpack, pack)
 
 
 def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):

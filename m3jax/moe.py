@@ -77,6 +77,7 @@ class MoE(nnx.Module):
         self.k, self.routed_scaling = moe.experts_per_token, moe.routed_scaling
         self.dispatch, self.capacity_factor = moe.dispatch, moe.capacity_factor
         self.grouped_matmul = moe.grouped_matmul
+        self.exchange, self.exchange_factor = moe.exchange, moe.exchange_factor
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.mesh = mesh
 
@@ -121,6 +122,8 @@ class MoE(nnx.Module):
                 dispatch=self.dispatch,
                 capacity_factor=self.capacity_factor,
                 grouped_matmul=impl,
+                exchange=self.exchange,
+                exchange_factor=self.exchange_factor,
             )
         out = self.routed_scaling * routed.reshape(tokens.shape) + self.shared_expert(tokens)
 

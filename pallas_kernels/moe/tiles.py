@@ -78,12 +78,21 @@ def reorder(layout: TileLayout, source: jax.Array, position: jax.Array) -> TileL
     num_rows = source.shape[0]
     filled = layout.source < num_rows
     tile_source = jnp.where(filled, source[jnp.where(filled, layout.source, 0)], num_rows)
-    return layout._replace(source=tile_source, destination=layout.destination[position])
+    destination = layout.destination.at[position].get(
+        mode="fill", fill_value=layout.source.shape[0]
+    )  # rows with no sorted place (position out of range) get no tile
+    return layout._replace(source=tile_source, destination=destination)
 
 
-def inverse_permutation(index: jax.Array) -> jax.Array:
-    """inverse[index[i]] = i for a permutation `index` of 0..n-1."""
-    return jnp.zeros_like(index).at[index].set(jnp.arange(index.shape[0], dtype=index.dtype))
+def inverse_permutation(index: jax.Array, size: int | None = None) -> jax.Array:
+    """inverse[index[i]] = i, of length `size` (default len(index)).
+
+    `index` may be partial: entries out of range are skipped, and places no entry maps to get
+    len(index), out of range in turn, so the two stay inverse partial permutations.
+    """
+    num = index.shape[0]
+    inverse = jnp.full((num if size is None else size,), num, index.dtype)
+    return inverse.at[index].set(jnp.arange(num, dtype=index.dtype), mode="drop")
 
 
 @jax.custom_vjp

@@ -23,10 +23,13 @@ def test_bench_moe_smoke_runs_every_section_and_ends_with_json(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert all(error < 1e-5 for error in report["check"].values()), report["check"]
-    assert "EP2 dropless vs dense" in report["check"]
+    assert {f"EP2 {name} vs dense" for name in ("ragged", "padded", "capacity")} <= set(
+        report["check"]
+    )
     variants = {row["variant"] for row in report["rows"]}
     for name in ("dense matmul", "ragged_dot", "capacity einsum"):
         assert {f"{name} fwd", f"{name} fwd+bwd"} <= variants
-    assert {"layer dropless fwd+bwd", "EP2 ragged fwd+bwd", "EP2 capacity fwd+bwd"} <= variants
+    assert {"layer dropless fwd+bwd", "EP2 ragged fwd+bwd", "EP2 padded fwd+bwd"} <= variants
+    assert "EP2 capacity fwd+bwd" in variants
     assert all(row.get("max_err", 0) < 2e-2 for row in report["rows"]), report["rows"]
     assert output.read_text().startswith("## MoE grouped matmul")

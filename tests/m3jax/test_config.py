@@ -74,6 +74,8 @@ def test_config_wrong_type_is_named(tmp_path):
         ({"moe": {"dispatch": "sparse"}}, "moe.dispatch='sparse' is not one of"),
         ({"moe": {"capacity_factor": 0}}, "moe.capacity_factor=0.0 must be > 0"),
         ({"moe": {"capacity_factor": -1.5}}, "moe.capacity_factor=-1.5 must be > 0"),
+        ({"moe": {"exchange": "nccl"}}, "moe.exchange='nccl' is not one of"),
+        ({"moe": {"exchange_factor": 0}}, "moe.exchange_factor=0.0 must be > 0"),
     ],
 )
 def test_config_inconsistent_model_values_fail_at_load(tmp_path, model, message):

@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO
 from flax import nnx
 from jax.sharding import PartitionSpec
-from moe_cases import B, assert_trees_close, inputs, moe_config, random_state, run
+from moe_cases import B, S, assert_trees_close, inputs, moe_config, random_state, run
 
 from m3jax import expert_parallel, sharding
 from m3jax.moe import MoE
@@ -58,11 +58,13 @@ def one_device(dispatch: str, factor: float):
     return run(config, random_state(config), *inputs())
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+@pytest.mark.parametrize(
+    "dispatch, exchange", [("dropless", "ragged"), ("dropless", "padded"), ("capacity", "ragged")]
+)
 @pytest.mark.parametrize("mesh_name", RUNNABLE)
-def test_expert_parallel_equals_one_device(mesh_name, dispatch):
+def test_expert_parallel_equals_one_device(mesh_name, dispatch, exchange):
     mesh = mesh_of(mesh_name)
-    config = moe_config(dispatch=dispatch, capacity_factor=NO_DROPS)
+    config = moe_config(dispatch=dispatch, capacity_factor=NO_DROPS, exchange=exchange)
     out, stats, grads = run(config, random_state(config), *inputs(), mesh=mesh)
     out_ref, stats_ref, grads_ref = one_device(dispatch, NO_DROPS)
     assert_trees_close(out, out_ref, err_msg=mesh_name)
@@ -72,6 +74,31 @@ def test_expert_parallel_equals_one_device(mesh_name, dispatch):
     np.testing.assert_allclose(stats["score_share"], stats_ref["score_share"], rtol=1e-6)
     assert float(stats["dropped_fraction"]) == 0.0
     assert np.asarray(stats["load"])[-1] == 0
+
+
+def rows_per_device_pair(experts: np.ndarray, parts: int, num_experts: int) -> np.ndarray:
+    """[P, P]: rows device d sends device p, tokens split over the expert axis by batch row."""
+    owner = np.asarray(experts).reshape(parts, -1) // (num_experts // parts)  # [P, rows of d]
+    return np.stack([np.bincount(o, minlength=parts) for o in owner])
+
+
+@pytest.mark.parametrize("mesh_name", [n for n in ("ep2", "ep4") if n in RUNNABLE])
+def test_padded_exchange_is_exact_whether_blocks_fit_or_not(mesh_name):
+    """Blocks exactly as large as the busiest device pair needs (the small-block branch, full),
+    and one row smaller (every device switches to worst-case blocks): both equal one device."""
+    mesh, parts = mesh_of(mesh_name), MESHES[mesh_name]["expert"]
+    out_ref, stats_ref, grads_ref = one_device("dropless", NO_DROPS)
+    config = moe_config(dispatch="dropless", exchange="padded")
+    tokens, k = B * S // parts, config.moe.experts_per_token
+    busiest = rows_per_device_pair(stats_ref["experts"], parts, config.moe.num_experts).max()
+    worst = tokens * min(k, config.moe.num_experts // parts)
+    assert 1 < busiest < worst  # else there would be no choice of block size to test
+    for block in (busiest, busiest - 1):
+        factor = (block - 0.5) * parts / (tokens * k)  # ⌈factor · N·k / P⌉ = block
+        config = moe_config(dispatch="dropless", exchange="padded", exchange_factor=factor)
+        out, stats, grads = run(config, random_state(config), *inputs(), mesh=mesh)
+        assert_trees_close(out, out_ref, err_msg=f"{mesh_name} block {block}")
+        assert_trees_close(grads, grads_ref, err_msg=f"{mesh_name} block {block}")
 
 
 @pytest.mark.slow
@@ -179,12 +206,25 @@ def test_real_ragged_all_to_all_path_differentiates_like_the_emulation(monkeypat
     assert len(psums[True]) == 3  # the expert weights' gradients, summed over the token axes
 
 
-def test_expert_major_positions_regroup_source_major_blocks():
-    # 3 sources, 2 local experts; buffer: (s0,e0) row 0 | (s0,e1) rows 1-2 | (s1,e1) row 3 |
-    # (s2,e0) rows 4-5 | padding 6-7. Expert-major: e0 <- rows 0, 4, 5; e1 <- rows 1, 2, 3.
+@pytest.mark.parametrize("padded", [False, True])
+def test_expert_major_order_regroups_source_major_blocks(padded):
+    # 3 sources, 2 local experts: (s0,e0) 1 row | (s0,e1) 2 | (s1,e1) 1 | (s2,e0) 2, then padding;
+    # packed back to back (ragged exchange), or each source in its own block of 4 rows (padded).
+    # Expert-major: e0 <- (s0,e0), (s2,e0); e1 <- (s0,e1), (s1,e1).
     counts = jnp.asarray([[1, 2], [0, 1], [2, 0]], jnp.int32)
-    positions = expert_parallel.expert_major_positions(counts, 8)
-    np.testing.assert_array_equal(positions, [0, 3, 4, 5, 1, 2, 6, 7])
+    starts = jnp.asarray([0, 4, 8] if padded else [0, 3, 4], jnp.int32)
+    num_rows = 12 if padded else 8
+    order = expert_parallel.expert_major_order(counts, starts, num_rows)
+    none = num_rows  # padding rows have no sorted place
+    if padded:
+        expected = [0, 3, 4, none, 5, none, none, none, 1, 2, none, none]
+    else:
+        expected = [0, 3, 4, 5, 1, 2, none, none]
+    np.testing.assert_array_equal(order.position, expected)
+    # source inverts position where a sorted place exists; the places after the 6 rows: none
+    source, real = np.asarray(order.source), np.flatnonzero(np.asarray(expected) < none)
+    np.testing.assert_array_equal(source[np.asarray(expected)[real]], real)
+    np.testing.assert_array_equal(source[6:], none)
 
 
 if "ep8" not in RUNNABLE:  # the CPU suite's 4 devices: rerun the 8-device cases with 8
@@ -206,4 +246,4 @@ if "ep8" not in RUNNABLE:  # the CPU suite's 4 devices: rerun the 8-device cases
             result.stdout + result.stderr
         )
         assert "deselected" in result.stdout  # -k ep8 picked the 8-device cases out of the file
-        assert re.search(r"\b3 passed", result.stdout), result.stdout
+        assert re.search(r"\b4 passed", result.stdout), result.stdout

@@ -14,7 +14,13 @@ from jax.test_util import check_grads
 
 from m3jax.moe_dispatch import ExpertWeights, grouped_ffn, grouped_matmul_impl
 from pallas_kernels.moe import mosaic_gpu, reference
-from pallas_kernels.moe.tiles import from_tiles, num_tiles_bound, tile_layout, to_tiles
+from pallas_kernels.moe.tiles import (
+    from_tiles,
+    inverse_permutation,
+    num_tiles_bound,
+    tile_layout,
+    to_tiles,
+)
 
 BLOCK = mosaic_gpu.BLOCK_M
 GROUPS = [130, 0, 7, 128, 1]  # 266 rows sorted by expert
@@ -89,6 +95,12 @@ def test_tiles_round_trip_and_zero_gaps():
     assert float(jnp.abs(tiled.astype(jnp.float32)).sum()) == pytest.approx(
         float(jnp.abs(x[: sum(GROUPS)].astype(jnp.float32)).sum()), rel=1e-6
     )
+
+
+def test_inverse_permutation_full_and_partial():
+    np.testing.assert_array_equal(inverse_permutation(jnp.asarray([2, 0, 1])), [1, 2, 0])
+    # entry 1 maps nowhere (out of range); places 1 and 2 get no entry: len(index) = 3
+    np.testing.assert_array_equal(inverse_permutation(jnp.asarray([3, 7, 0]), 4), [2, 3, 3, 0])
 
 
 def test_moving_rows_in_and_out_of_tiles_has_exact_gradients():
@@ -174,19 +186,29 @@ def test_impl_choice():
         grouped_matmul_impl("mosaic_gpu", jnp.bfloat16, 200, 128)
 
 
-@pytest.mark.parametrize("mesh_sizes", [{"expert": 2}, {"data": 2}])
-def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes):
+@pytest.mark.parametrize(
+    "mesh_sizes, exchange, kernels",
+    [
+        ({"expert": 2}, "ragged", 9),  # 3 forward, 3 × (dX, dW) backward
+        ({"expert": 2}, "padded", 18),  # as many in each branch of the block-size choice
+        ({"data": 2}, "ragged", 9),
+    ],
+)
+def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes, exchange, kernels):
     """Under shard_map the kernels' outputs carry no varying-axes types; the wrapper restores them
-    so that autodiff of the MoE block under EP=2 and under data parallelism (tokens straight into
-    the tile layout) type-checks. The GPU interpreter runs one device only, so the block is traced
-    here; benchmarks/bench_moe.py checks its numbers on two GPUs."""
+    so that autodiff of the MoE block under EP=2 (both exchanges) and under data parallelism
+    (tokens straight into the tile layout) type-checks. The GPU interpreter runs one device only,
+    so the block is traced here; benchmarks/bench_moe.py checks its numbers on two GPUs."""
     from flax import nnx
 
     from m3jax import sharding
     from m3jax.config import ModelConfig, MoEConfig
     from m3jax.moe import MoE
 
-    moe = MoEConfig(num_experts=4, experts_per_token=2, expert_dim=128, grouped_matmul="mosaic_gpu")
+    moe = MoEConfig(
+        num_experts=4, experts_per_token=2, expert_dim=128, grouped_matmul="mosaic_gpu",
+        exchange=exchange,
+    )  # fmt: skip
     config = ModelConfig(
         vocab_size=16, hidden_size=128, num_layers=1, dtype="bfloat16", moe=moe,
         layer_types=("full_attention",), mlp_layer_types=("sparse",),
@@ -202,7 +224,7 @@ def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes):
     traced = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(state, x)
     grads = traced.out_info
     assert grads[1].shape == x.shape
-    assert primitive_count(traced.jaxpr.jaxpr, "mpmd_map") == 9  # 3 fwd, 3 × (dX, dW) bwd
+    assert primitive_count(traced.jaxpr.jaxpr, "mpmd_map") == kernels
 
 
 def primitive_count(jaxpr, name: str) -> int:
