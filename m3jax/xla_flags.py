@@ -2,9 +2,9 @@
 
 - `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`: XLA:GPU's native
   ragged-all-to-all moved our dropless expert-parallel exchange at a small fraction of NVLink
-  bandwidth (EP=2 at 0.09 of one H200's throughput; reported upstream as openxla/xla#33386); the
-  decomposer rewrites it into all-to-all and dynamic slices (0.61 in the same run,
-  benchmarks/RESULTS.md). Other backends ignore the flag.
+  bandwidth (EP=2 at 0.09 of one H200's throughput; slow ragged-all-to-all on one host is
+  reported upstream as openxla/xla#33386); the decomposer rewrites it into a dense all-to-all and
+  slices (0.61–0.65 with the same benchmark, benchmarks/RESULTS.md). Other backends ignore it.
 
 A flag the user already set in XLA_FLAGS (either value) is left as it is. XLA reads the variable
 once, when the first backend starts: importing m3jax after running a computation has no effect.
