@@ -248,6 +248,8 @@ def _padded_exchange(
     zero-padded). When any device has more rows than that for a peer, every device takes the
     branch with blocks of `worst_rows` instead, so no row is ever dropped; both branches are
     compiled, one runs (the choice is global, so the collectives inside match on every device).
+    Under autodiff the forward keeps the residuals of both branches, the other one's as zeros:
+    memory and a fill of the worst-case branch's size per step, the price of exactness.
     """
     parts = jax.lax.axis_size(EXPERT_AXIS)
     counts = group_sizes.reshape(parts, -1)  # [P, E/P]: rows for device p's local expert j

@@ -1,0 +1,54 @@
+"""benchmarks/trace_summary.py: kernel time per device from a perfetto trace, overlaps counted once
+in the busy time."""
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks import trace_summary
+
+
+def write_trace(folder, events):
+    run = folder / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    processes = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    ]
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": processes + events}, f)
+
+
+def kernel(name, start, duration, pid=1):
+    return {"ph": "X", "name": name, "pid": pid, "tid": 7, "ts": start, "dur": duration}
+
+
+def test_busy_time_counts_overlaps_once():
+    assert trace_summary.busy_time([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+    assert trace_summary.busy_time([]) == 0
+
+
+def test_summary_sums_kernels_per_device_and_skips_the_host(tmp_path):
+    write_trace(
+        tmp_path,
+        [
+            kernel("gemm", 0, 100),
+            kernel("nccl", 60, 100),  # overlaps the gemm by 40 µs
+            kernel("gemm", 300, 40),
+            kernel("python", 0, 1000, pid=2),  # host: not a device kernel
+        ],
+    )
+    summary = trace_summary.summarize(str(tmp_path))
+    assert list(summary) == ["/device:GPU:0"]
+    gpu = summary["/device:GPU:0"]
+    assert gpu["kernels"] == {"gemm": 140, "nccl": 100}
+    assert gpu["summed"] == 240 and gpu["busy"] == 200
+    text = trace_summary.report(summary, steps=2)
+    assert "0.12 ms/step summed, 0.10 ms/step busy" in text  # 240 µs and 200 µs over 2 steps
+    assert text.index("gemm") < text.index("nccl")  # most time first
+
+
+def test_missing_trace_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="perfetto_trace"):
+        trace_summary.summarize(str(tmp_path))
