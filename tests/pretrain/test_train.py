@@ -178,8 +178,9 @@ def test_train_refuses_a_run_dir_of_another_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys):
-    """m3-train on 4 fake devices: experts over mesh.expert=2 (ragged exchange, then capacity
-    buffers large enough to drop nothing) reproduce the losses of plain data parallelism."""
+    """m3-train on 4 fake devices: experts over mesh.expert=2 (ragged exchange; padded exchange
+    with blocks too small for any step, so through its worst-case branch; capacity buffers large
+    enough to drop nothing) reproduce the losses of plain data parallelism."""
     config = write_config(tmp_path, tiny_run(train={"steps": 3}))
 
     def losses(name, *overrides):
@@ -189,11 +190,15 @@ def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys)
     reference = losses("data4", "mesh.data=4")
     expert_parallel = losses("expert2", "mesh.data=2", "mesh.expert=2")
     assert "'expert': 2" in capsys.readouterr().out
+    padded = losses(
+        "padded", "mesh.data=2", "mesh.expert=2", "model.moe.exchange=padded",
+        "model.moe.exchange_factor=0.5",  # half a fair share: some peer always gets more
+    )  # fmt: skip
     capacity = losses(
         "capacity", "mesh.data=2", "mesh.expert=2", "model.moe.dispatch=capacity",
         "model.moe.capacity_factor=2.0",  # C = ⌈2 · 32·2 / 4⌉ = 32 = tokens per device
     )  # fmt: skip
-    for records in (expert_parallel, capacity):
+    for records in (expert_parallel, padded, capacity):
         np.testing.assert_allclose(
             [r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5
         )
