@@ -64,7 +64,7 @@ def routed_experts(
     grouped_matmul: str = "xla",
     exchange: str = "ragged",
     exchange_factor: float = 1.25,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The routed experts with tokens and experts spread over `mesh` (any axis sizes).
 
     Args:
@@ -74,7 +74,8 @@ def routed_experts(
       grouped_matmul: the local experts' grouped matmul (moe_dispatch.grouped_matmul_impl).
       exchange, exchange_factor: dropless only, how rows travel (see the module docstring).
     Returns:
-      routed output [B, S, D] (before routed_scaling) and the global number of dropped rows.
+      routed output [B, S, D] (before routed_scaling), the global number of dropped rows, and
+      1.0 if the padded exchange needed worst-case blocks in this call, else 0.0 (fp32 scalars).
     """
     rules = dict(sharding.RULES)
     batch_axes, seq_axes = rules["batch"], rules["seq"]
@@ -95,7 +96,7 @@ def routed_experts(
         on_device,
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, PartitionSpec(EXPERT_AXIS)),
-        out_specs=(tokens, PartitionSpec()),
+        out_specs=(tokens, PartitionSpec(), PartitionSpec()),
     )(x, chosen, weights, experts)
 
 
@@ -135,27 +136,26 @@ def _routed_on_device(
     exchange_factor: float,
     token_axes: tuple[str, ...],
     emulate_ragged: bool,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's shard: x [B/…, S/…, D], chosen and weights [.., .., k]; E/P local experts."""
     shape, k = x.shape, chosen.shape[-1]
     parts = jax.lax.axis_size(EXPERT_AXIS)
     local_experts = experts.gate.shape[0]
     num_tokens = math.prod(shape[:-1])
     ffn = local_ffn(experts, activation, grouped_matmul)
+    worst_case = jnp.zeros((), jnp.float32)
     if parts > 1:
         worst = num_tokens * min(k, local_experts)  # the most rows a device can send one peer
-        if exchange == "ragged":
+        if exchange == "padded" and dispatch == "dropless":
+            block = min(worst, math.ceil(exchange_factor * num_tokens * k / parts))
+            fits = _blocks_fit(chosen, local_experts, parts, block, token_axes)
+            worst_case = 1.0 - fits.astype(jnp.float32)
             grouped = functools.partial(
-                _ragged_exchange, local=ffn.grouped, rows_per_source=worst, emulate=emulate_ragged
+                _padded_exchange, local=ffn.grouped, block_rows=block, worst_rows=worst, fits=fits
             )
         else:
-            block = min(worst, math.ceil(exchange_factor * num_tokens * k / parts))
             grouped = functools.partial(
-                _padded_exchange,
-                local=ffn.grouped,
-                block_rows=block,
-                worst_rows=worst,
-                token_axes=token_axes,
+                _ragged_exchange, local=ffn.grouped, rows_per_source=worst, emulate=emulate_ragged
             )
         ffn = ExpertFFN(grouped, functools.partial(_capacity_exchange, local=ffn.batched))
     routed, dropped = sorted_experts(
@@ -169,7 +169,14 @@ def _routed_on_device(
     )
     if dispatch == "capacity":
         dropped = jax.lax.psum(dropped, token_axes)
-    return routed.reshape(shape), dropped
+    return routed.reshape(shape), dropped, worst_case
+
+
+def _blocks_fit(chosen, local_experts: int, parts: int, block: int, token_axes) -> jax.Array:
+    """Whether no device has more than `block` rows for any peer (bool, the same everywhere)."""
+    peer = chosen.reshape(-1) // local_experts
+    rows_per_peer = jnp.zeros((parts,), jnp.int32).at[peer].add(1)
+    return jax.lax.pmax(rows_per_peer.max(), token_axes) <= block
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
@@ -240,14 +247,15 @@ def _padded_exchange(
     local,
     block_rows: int,
     worst_rows: int,
-    token_axes: tuple[str, ...],
+    fits: jax.Array,
 ) -> jax.Array:
     """`_ragged_exchange`'s result through fixed-size all_to_all blocks.
 
     Each device sends each peer one block of `block_rows` rows (its rows for that peer's experts,
-    zero-padded). When any device has more rows than that for a peer, every device takes the
-    branch with blocks of `worst_rows` instead, so no row is ever dropped; both branches are
-    compiled, one runs (the choice is global, so the collectives inside match on every device).
+    zero-padded). When any device has more rows than that for a peer (`fits` false, the same on
+    every device: `_blocks_fit`), every device takes the branch with blocks of `worst_rows`
+    instead, so no row is ever dropped; both branches are compiled, one runs, and the collectives
+    inside match on every device.
     Under autodiff the forward keeps the residuals of both branches, the other one's as zeros:
     memory and a fill of the worst-case branch's size per step, the price of exactness.
     """
@@ -260,7 +268,6 @@ def _padded_exchange(
     )
     if block_rows >= worst_rows:
         return round_trip(worst_rows)
-    fits = jax.lax.pmax(send_sizes.max(), token_axes) <= block_rows
     return jax.lax.cond(
         fits, functools.partial(round_trip, block_rows), functools.partial(round_trip, worst_rows)
     )

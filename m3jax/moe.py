@@ -85,9 +85,10 @@ class MoE(nnx.Module):
         """x: [B, S, D]; token_mask: [B, S] (False for padding, excluded from load statistics).
 
         Returns the output [B, S, D] and statistics: load and score_share [E] fp32 per expert,
-        experts [B, S, k] int32: the experts each token was routed to (in no particular order), and
+        experts [B, S, k] int32: the experts each token was routed to (in no particular order),
         dropped_fraction, the share of (token, expert) pairs that capacity limits dropped (padding
-        included; 0 unless dispatch is "capacity").
+        included; 0 unless dispatch is "capacity"), and exchange_worst_case, 1.0 when the padded
+        expert-parallel exchange needed its worst-case blocks in this call (else 0).
         """
         shape, dtype = x.shape, x.dtype
         tokens = x.reshape(-1, shape[-1])  # [N, D]
@@ -98,6 +99,7 @@ class MoE(nnx.Module):
         )
         activation = functools.partial(swigluoai, alpha=self.alpha, limit=self.limit)
         num_experts, dropped = scores.shape[-1], jnp.zeros((), jnp.int32)
+        worst_case = jnp.zeros((), jnp.float32)
         impl = grouped_matmul_impl(self.grouped_matmul, dtype, *experts.gate.shape[1:])
         if self.dispatch == "dense":
             routed = dense_experts(tokens, chosen, weights, experts, activation)
@@ -112,7 +114,7 @@ class MoE(nnx.Module):
                 capacity_factor=self.capacity_factor,
             )
         else:
-            routed, dropped = expert_parallel.routed_experts(
+            routed, dropped, worst_case = expert_parallel.routed_experts(
                 self.mesh,
                 x,
                 chosen.reshape(*shape[:-1], self.k),
@@ -134,5 +136,6 @@ class MoE(nnx.Module):
             "score_share": (scores / scores.sum(-1, keepdims=True) * mask).sum(0),
             "experts": chosen.reshape(*shape[:-1], self.k),
             "dropped_fraction": dropped.astype(jnp.float32) / chosen.size,
+            "exchange_worst_case": worst_case,
         }
         return out.reshape(shape), stats

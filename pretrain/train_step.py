@@ -78,6 +78,10 @@ def make_train_step(
             if config.moe.dispatch == "capacity":
                 dropped = jnp.concatenate([s["dropped_fraction"] for s in moe_stats])
                 metrics["moe_dropped_fraction"] = dropped.mean()
+            if config.moe.dispatch == "dropless" and config.moe.exchange == "padded":
+                # share of MoE layers whose exchange needed worst-case blocks (expert parallel)
+                worst_case = jnp.concatenate([s["exchange_worst_case"] for s in moe_stats])
+                metrics["moe_exchange_worst_case"] = worst_case.mean()
         for name in ("kl", "recall"):
             per_layer = [s["msa"][name] for s in stats if name in s.get("msa", {})]
             if not per_layer:

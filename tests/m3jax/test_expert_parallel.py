@@ -73,6 +73,8 @@ def test_expert_parallel_equals_one_device(mesh_name, dispatch, exchange):
     np.testing.assert_array_equal(stats["load"], stats_ref["load"])
     np.testing.assert_allclose(stats["score_share"], stats_ref["score_share"], rtol=1e-6)
     assert float(stats["dropped_fraction"]) == 0.0
+    if exchange == "ragged":  # padded: which branch runs depends on the loads (tested below)
+        assert float(stats["exchange_worst_case"]) == 0.0
     assert np.asarray(stats["load"])[-1] == 0
 
 
@@ -99,6 +101,7 @@ def test_padded_exchange_is_exact_whether_blocks_fit_or_not(mesh_name):
         out, stats, grads = run(config, random_state(config), *inputs(), mesh=mesh)
         assert_trees_close(out, out_ref, err_msg=f"{mesh_name} block {block}")
         assert_trees_close(grads, grads_ref, err_msg=f"{mesh_name} block {block}")
+        assert float(stats["exchange_worst_case"]) == (0.0 if block == busiest else 1.0)
 
 
 @pytest.mark.slow

@@ -203,3 +203,5 @@ def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys)
             [r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5
         )
     assert [r["moe_dropped_fraction"] for r in capacity] == [0.0, 0.0, 0.0]
+    assert [r["moe_exchange_worst_case"] for r in padded] == [1.0, 1.0, 1.0]
+    assert "moe_exchange_worst_case" not in expert_parallel[-1]  # ragged: no blocks
