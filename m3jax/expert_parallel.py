@@ -256,8 +256,10 @@ def _padded_exchange(
     every device: `_blocks_fit`), every device takes the branch with blocks of `worst_rows`
     instead, so no row is ever dropped; both branches are compiled, one runs, and the collectives
     inside match on every device.
-    Under autodiff the forward keeps the residuals of both branches, the other one's as zeros:
-    memory and a fill of the worst-case branch's size per step, the price of exactness.
+    Under autodiff the forward keeps the residuals of both branches, the untaken one's as zeros.
+    The worst-case branch is rematerialised (`jax.checkpoint`) so that its residuals are only its
+    inputs (rows [R, D], weights) instead of activations of P · worst_rows rows: the common step
+    pays a zero fill of that size, the rare worst-case step a second forward pass in backward.
     """
     parts = jax.lax.axis_size(EXPERT_AXIS)
     counts = group_sizes.reshape(parts, -1)  # [P, E/P]: rows for device p's local expert j
@@ -269,7 +271,9 @@ def _padded_exchange(
     if block_rows >= worst_rows:
         return round_trip(worst_rows)
     return jax.lax.cond(
-        fits, functools.partial(round_trip, block_rows), functools.partial(round_trip, worst_rows)
+        fits,
+        functools.partial(round_trip, block_rows),
+        jax.checkpoint(functools.partial(round_trip, worst_rows)),
     )
 
 
