@@ -46,6 +46,7 @@ from m3jax.moe_dispatch import (
     local_ffn,
     sorted_experts,
 )
+from pallas_kernels.moe.mosaic_gpu import vary_like
 from pallas_kernels.moe.tiles import inverse_permutation, permute_rows
 
 EXPERT_AXIS = "expert"
@@ -142,6 +143,9 @@ def _routed_on_device(
     parts = jax.lax.axis_size(EXPERT_AXIS)
     local_experts = experts.gate.shape[0]
     num_tokens = math.prod(shape[:-1])
+    # Weights typed as varying like the rows, once: autodiff sums their gradient over the token
+    # axes here, and the padded exchange's two branches share one residual copy of them.
+    experts = ExpertWeights(*(vary_like(w, x) for w in experts))
     ffn = local_ffn(experts, activation, grouped_matmul)
     worst_case = jnp.zeros((), jnp.float32)
     if parts > 1:
@@ -259,7 +263,8 @@ def _padded_exchange(
     Under autodiff the forward keeps the residuals of both branches, the untaken one's as zeros.
     The worst-case branch is rematerialised (`jax.checkpoint`) so that its residuals are only its
     inputs (rows [R, D], weights) instead of activations of P · worst_rows rows: the common step
-    pays a zero fill of that size, the rare worst-case step a second forward pass in backward.
+    pays a zero fill of [R, D], the rare worst-case step a second forward pass in backward. The
+    weights, typed like the rows before the branch, are one residual shared by both branches.
     """
     parts = jax.lax.axis_size(EXPERT_AXIS)
     counts = group_sizes.reshape(parts, -1)  # [P, E/P]: rows for device p's local expert j

@@ -222,23 +222,26 @@ def tiled_matmul(
     differ per device, weights may be replicated), so that autodiff sums w's gradient over those
     axes outside the kernel, as it does for any matmul.
     """
-    w = _vary_like(w.astype(x.dtype), x)
-    return _tiled_matmul(_vary_like(x, w), w, layout, tiling)
+    w = vary_like(w.astype(x.dtype), x)
+    return _tiled_matmul(vary_like(x, w), w, layout, tiling)
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
     return jax.typeof(x).mat.varying
 
 
-def _vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """x, typed as varying over the manual mesh axes `like` varies over (kernels drop the type)."""
+def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x, typed as varying over the manual mesh axes `like` varies over (inside `shard_map`).
+
+    Kernels drop the type, so it is restored around them; expert_parallel.py also uses it to give
+    the expert weights the rows' type once, before any branch (see `_padded_exchange`)."""
     missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tiled_matmul(x, w, layout, tiling):
-    return _vary_like(tile_matmul(x, w, layout.tile_expert, tiling=tiling), x)
+    return vary_like(tile_matmul(x, w, layout.tile_expert, tiling=tiling), x)
 
 
 def _forward(x, w, layout, tiling):
@@ -250,7 +253,7 @@ def _backward(tiling, residuals, dy):
     dy = dy.astype(x.dtype)
     dx = tile_matmul(dy, w, layout.tile_expert, transpose_w=True, tiling=tiling)
     dw = expert_gram(x, dy, layout.first_tile, layout.num_tiles, tiling=tiling)
-    return _vary_like(dx, x), _vary_like(dw, w), None
+    return vary_like(dx, x), vary_like(dw, w), None
 
 
 _tiled_matmul.defvjp(_forward, _backward)
