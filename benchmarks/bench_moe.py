@@ -18,9 +18,9 @@
    is per device, so this holds with drops too).
 A check runs first (fp32, small shapes): every dispatch mode and EP exchange against the dense
 reference layer, outputs and gradients. Times are medians of --repeats after a warm-up; "vs
-dense" = this row's TFLOP/s / the dense matmul's at the same M (same phase); max err = max|y - ref| / max|ref| against an fp32
-reference (grouped variants: the ragged_dot reference; backward rows: dX and dW). The last stdout
-line is JSON.
+dense" = this row's TFLOP/s / the dense matmul's at the same M (same phase); max err =
+max|y - ref| / max|ref| against an fp32 reference (grouped variants: the ragged_dot reference;
+backward rows: dX and dW). The last stdout line is JSON.
 """
 
 import argparse
@@ -320,6 +320,7 @@ def layer_label(shape: dict, tokens: int, local_experts: int, experts: int) -> s
 
 
 # EP exchange -> (dispatch mode, moe.exchange): the two dropless exchanges and the capacity one
+# (which ignores moe.exchange)
 EXCHANGES = {
     "ragged": ("dropless", "ragged"),
     "padded": ("dropless", "padded"),
@@ -334,7 +335,7 @@ def dispatch_modes(exchanges) -> list[str]:
 def layer_rows(
     shape: dict, dense_tflops, peak: float, repeats: int, profile=None, modes=("dropless",)
 ) -> tuple[list, dict]:
-    """The layer on one device, both dispatch modes; also returns each mode's seconds.
+    """The layer on one device per dispatch mode in `modes`; also returns each mode's seconds.
     With `profile` (a folder), each mode's device time is broken down too."""
     tokens, experts = shape["layer_tokens"], shape["layer_experts"]
     flops = layer_flops(shape, tokens, experts)
@@ -369,18 +370,18 @@ def ep_rows(
     tokens, experts = shape["layer_tokens"], shape["layer_experts"] * ep
     flops = layer_flops(shape, tokens, experts)  # per device (its router scores all experts)
     out = []
-    for exchange in exchanges:
-        dispatch = EXCHANGES[exchange][0]
-        config = layer_config(shape, experts, dispatch, exchange=EXCHANGES[exchange][1])
+    for name in exchanges:
+        dispatch, exchange = EXCHANGES[name]
+        config = layer_config(shape, experts, dispatch, exchange=exchange)
         state = layer_state(config, mesh)
         x, cotangent = layer_inputs(ep, tokens, shape["dim"], mesh)
-        trace_dir = profile and f"{profile}/ep{ep}-{exchange}"
+        trace_dir = profile and f"{profile}/ep{ep}-{name}"
         seconds, (grads, dropped) = time_call(
             layer_train(config, mesh), (state, x, cotangent), repeats, trace_dir
         )
         actual = (forward_pass(config, mesh)(state, x), grads)
         tflops = flops / seconds / 1e12
-        out.append(dict(variant=f"EP{ep} {exchange} fwd+bwd", ms=seconds * 1e3, tflops=tflops,
+        out.append(dict(variant=f"EP{ep} {name} fwd+bwd", ms=seconds * 1e3, tflops=tflops,
                         vs_dense=dense_tflops and tflops / dense_tflops, mfu=tflops * 1e12 / peak,
                         vs_one_device=one_device[dispatch] / seconds, dropped=float(dropped),
                         max_err=relative_error(jax.device_put(actual, jax.devices()[0]),
@@ -430,9 +431,8 @@ def check(shape: dict, ep: int, exchanges=tuple(EXCHANGES)) -> dict:
     if ep > 1:
         mesh = sharding.make_mesh({"expert": ep}, devices=jax.devices()[:ep])
         for name in exchanges:
-            result[f"EP{ep} {name} vs dense"] = error(
-                *EXCHANGES[name][:1], mesh, EXCHANGES[name][1]
-            )
+            dispatch, exchange = EXCHANGES[name]
+            result[f"EP{ep} {name} vs dense"] = error(dispatch, mesh, exchange)
     return result
 
 

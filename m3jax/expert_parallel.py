@@ -187,6 +187,13 @@ def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
+def _exchange_counts(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[E] rows per expert -> ([P] rows this device sends each peer, [P(source), E/P] rows it
+    receives from each source for each local expert)."""
+    counts = group_sizes.reshape(jax.lax.axis_size(EXPERT_AXIS), -1)  # [P, E/P]
+    return counts.sum(1), jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)
+
+
 def _ragged_exchange(
     x_sorted: jax.Array, group_sizes: jax.Array, *, local, rows_per_source: int, emulate: bool
 ) -> jax.Array:
@@ -197,10 +204,8 @@ def _ragged_exchange(
     grouped matmul, and returns each result to the place it came from.
     """
     parts = jax.lax.axis_size(EXPERT_AXIS)
-    counts = group_sizes.reshape(parts, -1)  # [P, E/P]: rows for device p's local expert j
-    send_sizes = counts.sum(1)
+    send_sizes, recv_counts = _exchange_counts(group_sizes)
     send_offsets = _exclusive_cumsum(send_sizes)
-    recv_counts = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)  # [P(source), E/P]
     recv_sizes = recv_counts.sum(1)
     recv_offsets = _exclusive_cumsum(recv_sizes)
     # Where my rows land in each receiver's buffer, and where each source keeps its rows for me.
@@ -266,10 +271,7 @@ def _padded_exchange(
     pays a zero fill of [R, D], the rare worst-case step a second forward pass in backward. The
     weights, typed like the rows before the branch, are one residual shared by both branches.
     """
-    parts = jax.lax.axis_size(EXPERT_AXIS)
-    counts = group_sizes.reshape(parts, -1)  # [P, E/P]: rows for device p's local expert j
-    send_sizes = counts.sum(1)
-    recv_counts = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)  # [P(source), E/P]
+    send_sizes, recv_counts = _exchange_counts(group_sizes)
     round_trip = functools.partial(
         _padded_round_trip, x_sorted, send_sizes, recv_counts, local=local
     )
