@@ -43,6 +43,8 @@ from m3jax.moe_dispatch import (
     ExpertFFN,
     ExpertWeights,
     RowOrder,
+    SortedRows,
+    expand_tokens,
     local_ffn,
     sorted_experts,
 )
@@ -150,18 +152,20 @@ def _routed_on_device(
     worst_case = jnp.zeros((), jnp.float32)
     if parts > 1:
         worst = num_tokens * min(k, local_experts)  # the most rows a device can send one peer
+        batched = functools.partial(_capacity_exchange, local=ffn.batched)
         if exchange == "padded" and dispatch == "dropless":
             block = min(worst, math.ceil(exchange_factor * num_tokens * k / parts))
             fits = _blocks_fit(chosen, local_experts, parts, block, token_axes)
             worst_case = 1.0 - fits.astype(jnp.float32)
-            grouped = functools.partial(
+            padded = functools.partial(
                 _padded_exchange, local=ffn.grouped, block_rows=block, worst_rows=worst, fits=fits
             )
+            ffn = ExpertFFN(grouped=None, batched=batched, pairs=padded)  # dropless via pairs
         else:
-            grouped = functools.partial(
+            ragged = functools.partial(
                 _ragged_exchange, local=ffn.grouped, rows_per_source=worst, emulate=emulate_ragged
             )
-        ffn = ExpertFFN(grouped, functools.partial(_capacity_exchange, local=ffn.batched))
+            ffn = ExpertFFN(grouped=ragged, batched=batched)
     routed, dropped = sorted_experts(
         x.reshape(num_tokens, shape[-1]),
         chosen.reshape(num_tokens, k),
@@ -250,15 +254,16 @@ def expert_major_order(recv_counts: jax.Array, source_starts: jax.Array, num_row
 
 
 def _padded_exchange(
-    x_sorted: jax.Array,
-    group_sizes: jax.Array,
+    x: jax.Array,
+    rows: SortedRows,
+    k: int,
     *,
     local,
     block_rows: int,
     worst_rows: int,
     fits: jax.Array,
 ) -> jax.Array:
-    """`_ragged_exchange`'s result through fixed-size all_to_all blocks.
+    """[N, D] tokens -> [N·k, D] expert outputs in (token, choice) order, via fixed-size blocks.
 
     Each device sends each peer one block of `block_rows` rows (its rows for that peer's experts,
     zero-padded). When any device has more rows than that for a peer (`fits` false, the same on
@@ -267,14 +272,12 @@ def _padded_exchange(
     inside match on every device.
     Under autodiff the forward keeps the residuals of both branches, the untaken one's as zeros.
     The worst-case branch is rematerialised (`jax.checkpoint`) so that its residuals are only its
-    inputs (rows [R, D], weights) instead of activations of P · worst_rows rows: the common step
-    pays a zero fill of [R, D], the rare worst-case step a second forward pass in backward. The
+    inputs (tokens [N, D], weights) instead of activations of P · worst_rows rows: the common step
+    pays a zero fill of [N, D], the rare worst-case step a second forward pass in backward. The
     weights, typed like the rows before the branch, are one residual shared by both branches.
     """
-    send_sizes, recv_counts = _exchange_counts(group_sizes)
-    round_trip = functools.partial(
-        _padded_round_trip, x_sorted, send_sizes, recv_counts, local=local
-    )
+    send_sizes, recv_counts = _exchange_counts(rows.group_sizes)
+    round_trip = functools.partial(_padded_round_trip, x, rows, k, send_sizes, recv_counts, local)
     if block_rows >= worst_rows:
         return round_trip(worst_rows)
     return jax.lax.cond(
@@ -284,22 +287,25 @@ def _padded_exchange(
     )
 
 
-def _padded_round_trip(x_sorted, send_sizes, recv_counts, block: int, *, local) -> jax.Array:
-    """Rows out in [P, block] blocks, through the local experts, back, in sorted order."""
-    parts, num_rows, dim = recv_counts.shape[0], x_sorted.shape[0], x_sorted.shape[1]
+def _padded_round_trip(
+    x: jax.Array, rows: SortedRows, k: int, send_sizes, recv_counts, local, block: int
+) -> jax.Array:
+    """Tokens straight into [P, block] send blocks, through the local experts, back straight to
+    (token, choice) order: the sorted rows are never materialised (one gather each way)."""
+    parts, num_pairs, dim = recv_counts.shape[0], rows.order.shape[0], x.shape[1]
     slot = jnp.arange(block, dtype=jnp.int32)
     send_starts = _exclusive_cumsum(send_sizes)
     # Slot (p, i) of the send blocks holds sorted row send_starts[p] + i, or nothing (zeros).
-    pack = jnp.where(slot < send_sizes[:, None], send_starts[:, None] + slot, num_rows)
-    pack = pack.reshape(-1).astype(jnp.int32)
-    unpack = inverse_permutation(pack, num_rows)  # where each sorted row sits in the blocks
-    sent = permute_rows(x_sorted, pack, unpack).reshape(parts, block, dim)
+    sorted_row = jnp.where(slot < send_sizes[:, None], send_starts[:, None] + slot, num_pairs)
+    pair = rows.order.at[sorted_row.reshape(-1)].get(mode="fill", fill_value=num_pairs)
+    pair_slot = inverse_permutation(pair, num_pairs)  # where each (token, choice) sits in blocks
+    sent = expand_tokens(x, pair, pair_slot, k).reshape(parts, block, dim)
     received = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, dim)
     source_starts = jnp.arange(parts, dtype=jnp.int32) * block
     order = expert_major_order(recv_counts, source_starts, parts * block)
     y = local(received, recv_counts.sum(0), order).reshape(parts, block, dim)
     returned = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, dim)
-    return permute_rows(returned, unpack, pack)
+    return permute_rows(returned, pair_slot, pair)
 
 
 def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):

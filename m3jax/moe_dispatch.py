@@ -138,11 +138,15 @@ def grouped_ffn(
 
 
 def _tiled_ffn(x_tiles, layout, experts: ExpertWeights, activation: Activation) -> jax.Array:
-    """The experts' FFN on tile-aligned rows through the Mosaic GPU kernels."""
+    """The experts' FFN on tile-aligned rows through the Mosaic GPU kernels.
+
+    The activation is rematerialised in backward: its residuals are then its two inputs. Saved
+    as is, its derivative's terms (9 arrays of [rows, F] for the clamped SwiGLU) are written out
+    wherever XLA can't fuse them into the backward, as inside the padded exchange's `lax.cond`.
+    """
     matmul = functools.partial(mosaic_gpu.tiled_matmul, layout=layout)
-    return matmul(
-        activation(matmul(x_tiles, experts.gate), matmul(x_tiles, experts.up)), experts.down
-    )
+    hidden = jax.checkpoint(activation)(matmul(x_tiles, experts.gate), matmul(x_tiles, experts.up))
+    return matmul(hidden, experts.down)
 
 
 def tiled_pairs_ffn(
@@ -217,8 +221,9 @@ class ExpertFFN(NamedTuple):
     signatures wrap an exchange between devices around the local experts (expert_parallel.py).
     """
 
-    # ([R, D] rows, [E] sizes, their order into expert order or None if sorted) -> [R, D]
-    grouped: Callable[[jax.Array, jax.Array, RowOrder | None], jax.Array]
+    # ([R, D] rows, [E] sizes, their order into expert order or None if sorted) -> [R, D];
+    # None only where `pairs` is set
+    grouped: Callable[[jax.Array, jax.Array, RowOrder | None], jax.Array] | None
     batched: Callable[[jax.Array], jax.Array]  # [E, C, D] -> [E, C, D]
     # dropless straight from tokens: ([N, D], rows, k) -> [N·k, D] in (token, choice) order;
     # None: through `grouped` on sorted rows.
