@@ -248,7 +248,7 @@ def layer_config(
     dispatch: str,
     dtype="bfloat16",
     capacity_factor=1.25,
-    exchange="ragged",
+    exchange="padded",
 ) -> ModelConfig:
     moe = MoEConfig(num_experts=experts, experts_per_token=shape["k"],
                     expert_dim=shape["expert_dim"], shared_expert_dim=shape["expert_dim"],
@@ -421,7 +421,7 @@ def check(shape: dict, ep: int, exchanges=tuple(EXCHANGES)) -> dict:
             state, x, cotangent
         )[0]
 
-    def error(dispatch, mesh=None, exchange="ragged"):
+    def error(dispatch, mesh=None, exchange="padded"):
         # capacity_factor E/k: C = N, nothing drops
         config = layer_config(small, experts, dispatch, "float32", experts / small["k"], exchange)
         return relative_error(jax.device_put(results(config, mesh), jax.devices()[0]), expected)

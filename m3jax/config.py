@@ -14,7 +14,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("reference", "xla")
 MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe_dispatch.py
 GROUPED_MATMUL_IMPLS = ("auto", "xla", "mosaic_gpu")  # m3jax/moe_dispatch.grouped_matmul_impl
-EP_EXCHANGES = ("ragged", "padded")  # m3jax/expert_parallel.py, dropless dispatch
+EP_EXCHANGES = ("padded", "ragged")  # m3jax/expert_parallel.py, dropless dispatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,11 +63,11 @@ class MoEConfig:
     # dropless: the grouped matmul's implementation. auto = the Pallas Mosaic GPU kernel on GPUs
     # (bf16/f16, widths multiples of 128), else XLA's ragged_dot.
     grouped_matmul: str = "auto"
-    # dropless with mesh.expert > 1: how rows travel. ragged = jax.lax.ragged_all_to_all of exactly
-    # the rows; padded = fixed-size all_to_all blocks of ⌈exchange_factor · tokens · k / P⌉ rows per
-    # device pair, the worst case (tokens · min(k, E/P)) only in steps where a block would overflow.
-    # Both exact.
-    exchange: str = "ragged"
+    # dropless with mesh.expert > 1: how rows travel. padded = fixed-size all_to_all blocks of
+    # ⌈exchange_factor · tokens · k / P⌉ rows per device pair, the worst case (tokens · min(k, E/P))
+    # only in steps where a block would overflow; ragged = jax.lax.ragged_all_to_all of exactly the
+    # rows (slower on GPUs: benchmarks/RESULTS.md). Both exact.
+    exchange: str = "padded"
     exchange_factor: float = 1.25
 
     def __post_init__(self):

@@ -9,15 +9,15 @@ send results back. Routing, the shared expert and attention stay outside: for th
 axis is one more data-parallel axis, and the router statistics (computed outside) are global.
 
 Exchanges, by `model.moe.dispatch`:
-- dropless: `jax.lax.ragged_all_to_all` of exactly the rows each device needs (exact, no drops).
-  The receive buffer has a static size, the worst case P · N · min(k, E/P) rows (every token of
-  every device picking this device's experts). XLA:CPU does not implement ragged-all-to-all
-  (jax 0.11.2: "UNIMPLEMENTED: HLO opcode `ragged-all-to-all`"): on the CPU backend an
-  all_gather-based equivalent with the same arguments and result runs instead.
-  With `moe.exchange: padded` instead: `jax.lax.all_to_all` of fixed blocks of
+- dropless, `moe.exchange: padded` (default): `jax.lax.all_to_all` of fixed blocks of
   ⌈exchange_factor · N·k / P⌉ rows per device pair, zero-padded, and back; in a step where some
   device has more rows than that for some peer, every device takes the branch with blocks of the
-  worst case N · min(k, E/P) instead (a `lax.cond` on a global max), so this is exact too.
+  worst case N · min(k, E/P) instead (a `lax.cond` on a global max), so no row is ever dropped.
+- dropless, `moe.exchange: ragged`: `jax.lax.ragged_all_to_all` of exactly the rows each device
+  needs (exact too). The receive buffer has a static size, the worst case P · N · min(k, E/P) rows
+  (every token of every device picking this device's experts). XLA:CPU does not implement
+  ragged-all-to-all (jax 0.11.2: "UNIMPLEMENTED: HLO opcode `ragged-all-to-all`"): on the CPU
+  backend an all_gather-based equivalent with the same arguments and result runs instead.
 - capacity: `jax.lax.all_to_all` of the fixed [E, C, D] capacity buffers (C per expert and source
   device, moe_dispatch.capacity over the device's N tokens), one batched einsum over the
   [E/P, P·C, D] buffers received, the same all_to_all back. Rows past C are dropped and counted.
@@ -65,7 +65,7 @@ def routed_experts(
     dispatch: str,
     capacity_factor: float,
     grouped_matmul: str = "xla",
-    exchange: str = "ragged",
+    exchange: str = "padded",
     exchange_factor: float = 1.25,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The routed experts with tokens and experts spread over `mesh` (any axis sizes).

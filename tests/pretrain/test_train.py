@@ -178,9 +178,10 @@ def test_train_refuses_a_run_dir_of_another_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys):
-    """m3-train on 4 fake devices: experts over mesh.expert=2 (ragged exchange; padded exchange
-    with blocks too small for any step, so through its worst-case branch; capacity buffers large
-    enough to drop nothing) reproduce the losses of plain data parallelism."""
+    """m3-train on 4 fake devices: experts over mesh.expert=2 (the default padded exchange; the
+    ragged one; padded with blocks too small for any step, so through its worst-case branch;
+    capacity buffers large enough to drop nothing) reproduce the losses of plain data
+    parallelism."""
     config = write_config(tmp_path, tiny_run(train={"steps": 3}))
 
     def losses(name, *overrides):
@@ -190,6 +191,7 @@ def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys)
     reference = losses("data4", "mesh.data=4")
     expert_parallel = losses("expert2", "mesh.data=2", "mesh.expert=2")
     assert "'expert': 2" in capsys.readouterr().out
+    ragged = losses("ragged", "mesh.data=2", "mesh.expert=2", "model.moe.exchange=ragged")
     padded = losses(
         "padded", "mesh.data=2", "mesh.expert=2", "model.moe.exchange=padded",
         "model.moe.exchange_factor=0.5",  # half a fair share: some peer always gets more
@@ -198,10 +200,11 @@ def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys)
         "capacity", "mesh.data=2", "mesh.expert=2", "model.moe.dispatch=capacity",
         "model.moe.capacity_factor=2.0",  # C = ⌈2 · 32·2 / 4⌉ = 32 = tokens per device
     )  # fmt: skip
-    for records in (expert_parallel, padded, capacity):
+    for records in (expert_parallel, ragged, padded, capacity):
         np.testing.assert_allclose(
             [r["loss"] for r in records], [r["loss"] for r in reference], rtol=2e-5
         )
     assert [r["moe_dropped_fraction"] for r in capacity] == [0.0, 0.0, 0.0]
     assert [r["moe_exchange_worst_case"] for r in padded] == [1.0, 1.0, 1.0]
-    assert "moe_exchange_worst_case" not in expert_parallel[-1]  # ragged: no blocks
+    assert all(0.0 <= r["moe_exchange_worst_case"] <= 1.0 for r in expert_parallel)  # padded
+    assert "moe_exchange_worst_case" not in ragged[-1]  # ragged: no blocks
