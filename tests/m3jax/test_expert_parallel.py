@@ -173,7 +173,7 @@ def _equations(jaxpr) -> list:
 
 
 def _gradient_equations(mesh) -> list:
-    config = moe_config()
+    config = moe_config(exchange="ragged")
     state, (x, mask, cotangent) = random_state(config), inputs()
 
     def loss(state, x):
