@@ -63,10 +63,12 @@ def mosaic_gpu_grouped(x, w, group_sizes, tiling=mosaic_gpu.Tiling()):
     return from_tiles(tiled, layout)
 
 
-# (name, fn(x_sorted [M, D], w [E, D, F], group_sizes [E]) -> [M, F], its fp32 reference).
-# The loop form: at M = 128K, XLA lowers an fp32 "highest" ragged_dot to a dense [M, E·D] product
-# and runs out of memory (seen on the H200 at E = 32); E masked matmuls stay within [M, F].
-GROUPED_REF = reference.grouped_matmul_loop
+# (name, fn(x_sorted [M, D], w [E, D, F], group_sizes [E]) -> [M, F], its fp32 reference, run
+# eagerly). The sliced form: at M = 128K, XLA lowers an fp32 "highest" ragged_dot to a dense
+# [M, E·D] product and runs out of memory (seen on the H200 at E = 32); a masked matmul per expert
+# (the previous reference) costs E times the FLOPs: with it the E = 32, M = 128K row did not finish
+# within 170 s or 240 s.
+GROUPED_REF = reference.grouped_matmul_sliced
 VARIANTS = [
     ("dense matmul", dense_matmul, dense_matmul),
     ("ragged_dot", reference.grouped_matmul, GROUPED_REF),
@@ -168,9 +170,9 @@ def matmul_rows(rows: int, experts: int, shape: dict, repeats: int) -> list[dict
         for phase, wrap, factor in (("fwd", forward, 1), ("fwd+bwd", forward_backward, 3)):
             seconds, result = time_call(wrap(fn), (x, w, sizes, cotangent), repeats)
             if (reference_fn, phase) not in references:
-                with jax.default_matmul_precision("highest"):
+                with jax.default_matmul_precision("highest"):  # eager: sizes on the host
                     references[reference_fn, phase] = jax.block_until_ready(
-                        jax.jit(wrap(reference_fn))(x32, w32, sizes, cotangent32)
+                        wrap(reference_fn)(x32, w32, sizes, cotangent32)
                     )
             expected = references[reference_fn, phase]
             tflops = factor * flops / seconds / 1e12

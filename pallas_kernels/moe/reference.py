@@ -10,6 +10,7 @@ Shapes: M rows (token copies, sorted by expert), D input width, F output width, 
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.moe.tiles import TileLayout
 
@@ -27,16 +28,17 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
     return jax.lax.ragged_dot(x_sorted, w, group_sizes.astype(jnp.int32))
 
 
-def grouped_matmul_loop(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The same product, one masked dense matmul per expert: E times the work, for tests only."""
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    row = jnp.arange(x_sorted.shape[0])
-    y = jnp.zeros((x_sorted.shape[0], w.shape[-1]), x_sorted.dtype)
-    for e in range(w.shape[0]):
-        inside = ((row >= starts[e]) & (row < ends[e]))[:, None]
-        y = y + jnp.where(inside, x_sorted @ w[e], 0).astype(y.dtype)
-    return y
+def grouped_matmul_sliced(x_sorted: jax.Array, w: jax.Array, group_sizes) -> jax.Array:
+    """The same product, one exact matmul per group: for benchmark references, whose fp32
+    `ragged_dot` XLA may lower to a dense [M, E·D] product (out of memory at E = 32, M = 128K).
+
+    group_sizes must be concrete (host values): call it eagerly, not under `jax.jit`.
+    """
+    ends = np.cumsum(np.asarray(group_sizes))
+    starts = ends - np.asarray(group_sizes)
+    tail = jnp.zeros((x_sorted.shape[0] - int(ends[-1]), w.shape[-1]), x_sorted.dtype)
+    groups = [x_sorted[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, ends))]
+    return jnp.concatenate([*groups, tail])
 
 
 def tiled_matmul(x_tiles: jax.Array, w: jax.Array, layout: TileLayout, block_m: int) -> jax.Array:
