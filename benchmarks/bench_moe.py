@@ -545,8 +545,6 @@ def main() -> None:
         )
     rows += ep
     stage("done")
-    for row in layer_matmuls + layer + ep:
-        print(table_line(row), flush=True)
     section = markdown(rows, args, checks)
     print("\n" + section)
     if args.output:

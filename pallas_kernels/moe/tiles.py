@@ -75,9 +75,7 @@ def reorder(layout: TileLayout, source: jax.Array, position: jax.Array) -> TileL
     partial permutations, as for `permute_rows`). `to_tiles` / `from_tiles` with the result move
     rows in their own order straight into and out of the tiles, skipping the sorted copy.
     """
-    num_rows = source.shape[0]
-    filled = layout.source < num_rows
-    tile_source = jnp.where(filled, source[jnp.where(filled, layout.source, 0)], num_rows)
+    tile_source = source.at[layout.source].get(mode="fill", fill_value=source.shape[0])
     destination = layout.destination.at[position].get(
         mode="fill", fill_value=layout.source.shape[0]
     )  # rows with no sorted place (position out of range) get no tile
