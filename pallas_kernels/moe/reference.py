@@ -28,17 +28,25 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
     return jax.lax.ragged_dot(x_sorted, w, group_sizes.astype(jnp.int32))
 
 
-def grouped_matmul_sliced(x_sorted: jax.Array, w: jax.Array, group_sizes) -> jax.Array:
-    """The same product, one exact matmul per group: for benchmark references, whose fp32
-    `ragged_dot` XLA may lower to a dense [M, E·D] product (out of memory at E = 32, M = 128K).
+def grouped_matmul_buffered(x_sorted: jax.Array, w: jax.Array, group_sizes) -> jax.Array:
+    """The same product for benchmark references: each group gathered into its own row of an
+    [E, C, D] buffer (C = the largest group), one batched matmul, gathered back.
 
+    Exact, a few ops whatever the sizes, and its gradient one scatter. XLA may lower an fp32
+    `ragged_dot` to a dense [M, E·D] product (out of memory at E = 32, M = 128K on the H200); one
+    matmul per group slice (the previous reference) pads every group's dX back to [M, D] in
+    backward: E full-size arrays, minutes at E = 32, M = 128K (benchmarks/RESULTS.md).
     group_sizes must be concrete (host values): call it eagerly, not under `jax.jit`.
     """
-    ends = np.cumsum(np.asarray(group_sizes))
-    starts = ends - np.asarray(group_sizes)
-    tail = jnp.zeros((x_sorted.shape[0] - int(ends[-1]), w.shape[-1]), x_sorted.dtype)
-    groups = [x_sorted[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, ends))]
-    return jnp.concatenate([*groups, tail])
+    sizes = np.asarray(group_sizes)
+    rows = x_sorted.shape[0]
+    starts = np.cumsum(sizes) - sizes
+    slot = np.arange(max(int(sizes.max()), 1))
+    into = np.where(slot < sizes[:, None], starts[:, None] + slot, rows)  # [E, C]; rows: empty
+    y = jnp.einsum("ecd,edf->ecf", x_sorted.at[into].get(mode="fill", fill_value=0), w)
+    expert = np.repeat(np.arange(len(sizes)), sizes)  # of each sorted row
+    y_sorted = y[expert, np.arange(len(expert)) - starts[expert]]
+    return jnp.concatenate([y_sorted, jnp.zeros((rows - len(expert), y.shape[-1]), y.dtype)])
 
 
 def tiled_matmul(x_tiles: jax.Array, w: jax.Array, layout: TileLayout, block_m: int) -> jax.Array:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.reference import grouped_matmul, grouped_matmul_sliced
+from pallas_kernels.moe.reference import grouped_matmul, grouped_matmul_buffered
 
 # Odd sizes, an empty group in the middle and at the end, and padding rows past sum(group_sizes).
 GROUPS = [3, 0, 5, 1, 6, 0]
@@ -32,7 +32,7 @@ def numpy_grouped(x, w, sizes):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("impl", [grouped_matmul, grouped_matmul_sliced])
+@pytest.mark.parametrize("impl", [grouped_matmul, grouped_matmul_buffered])
 def test_grouped_matmul_matches_per_group_products(impl, dtype):
     x, w, sizes = inputs(dtype)
     y = impl(x, w, sizes)
@@ -43,7 +43,7 @@ def test_grouped_matmul_matches_per_group_products(impl, dtype):
     assert np.all(np.asarray(y)[sum(GROUPS) :] == 0)  # padding rows
 
 
-@pytest.mark.parametrize("impl", [grouped_matmul, grouped_matmul_sliced])
+@pytest.mark.parametrize("impl", [grouped_matmul, grouped_matmul_buffered])
 def test_grouped_matmul_gradients_match_per_group_products(impl):
     x, w, sizes = inputs(jnp.float32, seed=1)
     cotangent = jnp.asarray(np.random.default_rng(2).normal(0, 1, (ROWS, F)), jnp.float32)
