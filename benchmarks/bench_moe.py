@@ -190,6 +190,7 @@ TILINGS = [
     mosaic_gpu.Tiling(snake_width=2),
     mosaic_gpu.Tiling(snake_width=32),
     mosaic_gpu.Tiling(gram_stages=2),
+    mosaic_gpu.Tiling(persistent=False),
 ]
 
 
@@ -251,9 +252,11 @@ def layer_config(
     capacity_factor=1.25,
     exchange="padded",
 ) -> ModelConfig:
+    factor = shape.get("exchange_factor", MoEConfig.exchange_factor)
     moe = MoEConfig(num_experts=experts, experts_per_token=shape["k"],
                     expert_dim=shape["expert_dim"], shared_expert_dim=shape["expert_dim"],
-                    dispatch=dispatch, capacity_factor=capacity_factor, exchange=exchange)  # fmt: skip
+                    dispatch=dispatch, capacity_factor=capacity_factor, exchange=exchange,
+                    exchange_factor=factor)  # fmt: skip
     return ModelConfig(vocab_size=16, hidden_size=shape["dim"], num_layers=1, dtype=dtype,
                        layer_types=("full_attention",), mlp_layer_types=("sparse",), moe=moe)  # fmt: skip
 
@@ -382,6 +385,8 @@ def ep_rows(
         )
         actual = (forward_pass(config, mesh)(state, x), grads)
         tflops = flops / seconds / 1e12
+        if name == "padded":
+            name += f" ×{config.moe.exchange_factor:g}"  # blocks of factor × a fair share
         out.append(dict(variant=f"EP{ep} {name} fwd+bwd", ms=seconds * 1e3, tflops=tflops,
                         vs_dense=dense_tflops and tflops / dense_tflops, mfu=tflops * 1e12 / peak,
                         vs_one_device=one_device[dispatch] / seconds, dropped=float(dropped),
@@ -493,10 +498,13 @@ def main() -> None:
     parser.add_argument("--ep-only", action="store_true",
                         help="the layer on 1 and --ep devices only: no matmuls (no vs dense)")  # fmt: skip
     parser.add_argument("--profile", help="folder: profile the layer runs, print their kernels")
+    parser.add_argument("--exchange-factor", type=float, default=MoEConfig.exchange_factor,
+                        help="EP padded exchange: moe.exchange_factor")  # fmt: skip
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else FULL)
     shape["experts"] = args.experts or shape["experts"]
     shape["rows"] = args.rows or shape["rows"]
+    shape["exchange_factor"] = args.exchange_factor
     if args.variants:  # the dense matmul stays first: it is every row's baseline
         VARIANTS[1:] = [v for v in VARIANTS[1:] if v[0].split()[0] in args.variants]
     if args.ep > jax.device_count():

@@ -3,9 +3,9 @@
 Because every row tile belongs to one expert (tiles.py), the forward product and the input
 gradient are ordinary tiled matmuls whose weight matrix is looked up per tile, and the weight
 gradient of expert e is xᵀ·dY summed over e's own tiles: the trip count and tile offset come from
-int32 tables in GMEM. Each kernel is persistent (one program per SM walks its share of output tiles
-in a snake order that keeps neighbouring tiles' operands in L2) and streams operands through a
-TMA pipeline into wgmma, accumulating in fp32 registers.
+int32 tables in GMEM. Each kernel is persistent by default (one program per SM walks its share of
+output tiles in a snake order that keeps neighbouring tiles' operands in L2; `Tiling.persistent`)
+and streams operands through a TMA pipeline into wgmma, accumulating in fp32 registers.
 
 `tiled_matmul(x, w, layout)` is the differentiable entry point; `reference.tiled_matmul` is the
 same function through XLA's ragged_dot, the CPU path and the tests' oracle.
@@ -36,6 +36,9 @@ class Tiling:
     stages: int = 4
     gram_stages: int = 3  # the weight gradient's blocks are twice as large (BLOCK_M × 128 each)
     snake_width: int = 8  # output tiles per band of the snake order (L2 reuse)
+    # True: one program per SM walks its share of the output tiles. False: one program per output
+    # tile, which the hardware hands to whichever SM is free (as when NCCL kernels hold some).
+    persistent: bool = True
 
 
 def unsupported_reason(x_dtype, in_width: int, out_width: int, tiling: Tiling = Tiling()) -> str:
@@ -56,8 +59,11 @@ def _smem_transforms(minor: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def _num_sms() -> int:
-    """Programs of a persistent kernel: one per SM (a few under CPU interpret mode)."""
+def _num_programs(tiling: Tiling, output_tiles: int) -> int:
+    """One program per SM (a few under CPU interpret mode), or per output tile (not persistent).
+    The kernels' loops over output tiles split them evenly over however many programs run."""
+    if not tiling.persistent:
+        return output_tiles
     device = jax.devices()[0]
     return device.core_count if device.platform == "gpu" else 4
 
@@ -141,7 +147,7 @@ def tile_matmul(
     kernel = plgpu.kernel(
         tile_matmul_kernel,  # profiles name each kernel after its body
         out_type=jax.ShapeDtypeStruct((padded, n), x.dtype),
-        grid=(_num_sms(),),
+        grid=(_num_programs(tiling, tiles * n_blocks),),
         grid_names=("sm",),
         compiler_params=_compiler_params(),
     )
@@ -206,7 +212,7 @@ def expert_gram(
     kernel = plgpu.kernel(
         expert_gram_kernel,
         out_type=jax.ShapeDtypeStruct((experts, k, n), x.dtype),
-        grid=(_num_sms(),),
+        grid=(_num_programs(tiling, experts * k_blocks * n_blocks),),
         grid_names=("sm",),
         compiler_params=_compiler_params(),
     )

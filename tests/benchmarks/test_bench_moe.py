@@ -29,7 +29,7 @@ def test_bench_moe_smoke_runs_every_section_and_ends_with_json(tmp_path):
     variants = {row["variant"] for row in report["rows"]}
     for name in ("dense matmul", "ragged_dot", "capacity einsum"):
         assert {f"{name} fwd", f"{name} fwd+bwd"} <= variants
-    assert {"layer dropless fwd+bwd", "EP2 ragged fwd+bwd", "EP2 padded fwd+bwd"} <= variants
+    assert {"layer dropless fwd+bwd", "EP2 ragged fwd+bwd", "EP2 padded ×1.25 fwd+bwd"} <= variants
     assert "EP2 capacity fwd+bwd" in variants
     assert all(row.get("max_err", 0) < 2e-2 for row in report["rows"]), report["rows"]
     assert output.read_text().startswith("## MoE grouped matmul")

@@ -121,9 +121,13 @@ def run_tiled(matmul, x, w, sizes, cotangent):
     return (y, *pullback(cotangent))
 
 
-def test_kernel_matches_ragged_dot_and_per_group_products(gpu_interpreter):
+@pytest.mark.parametrize("persistent", [True, False])  # one program per SM / per output tile
+def test_kernel_matches_ragged_dot_and_per_group_products(gpu_interpreter, persistent):
     x, w, sizes, cotangent = inputs()
-    kernel = run_tiled(mosaic_gpu.tiled_matmul, x, w, sizes, cotangent)
+    tiling = mosaic_gpu.Tiling(persistent=persistent)
+    kernel = run_tiled(
+        lambda a, w, layout: mosaic_gpu.tiled_matmul(a, w, layout, tiling), x, w, sizes, cotangent
+    )
     xla = run_tiled(
         lambda a, w, layout: reference.tiled_matmul(a, w, layout, BLOCK), x, w, sizes, cotangent
     )
