@@ -4,10 +4,13 @@ Usage (a trace written by `jax.profiler.trace(dir, create_perfetto_trace=True)`)
     python -m benchmarks.trace_summary DIR [--top 30] [--steps 3]
 
 For each device it prints the time its kernels ran (summed, and as the union of their intervals,
-which differ where streams overlap) and the kernels that took most of it, divided by --steps.
+which differ where streams overlap) and the kernels that took most of it, divided by --steps;
+for each kernel also how much of its time ran beside communication (NCCL kernels on another
+stream), where a kernel may be slowed by the SMs and memory bandwidth those take.
 """
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
@@ -30,13 +33,32 @@ def load_events(trace_dir: str) -> tuple[list[dict], dict[int, str]]:
     return [e for e in events if e.get("ph") == "X" and "dur" in e], processes
 
 
+COMMUNICATION_PREFIX = "nccl"  # NCCL's kernels: ncclDevKernel_SendRecv, ..._AllReduce_...
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
 def busy_time(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
+    return sum(end - start for start, end in union(intervals))
+
+
+def overlap(start: float, end: float, disjoint: list[tuple[float, float]]) -> float:
+    """Length of [start, end) inside the sorted, disjoint intervals `disjoint`."""
+    total = 0.0
+    for a, b in disjoint[max(bisect.bisect_right(disjoint, (start,)) - 1, 0) :]:
+        if a >= end:
+            break
+        total += max(0.0, min(end, b) - max(start, a))
     return total
 
 
@@ -55,12 +77,23 @@ def summarize(trace_dir: str, device_prefix: str = "/device:GPU") -> dict[str, d
         )
     out = {}
     for device, device_events in sorted(by_device.items()):
-        kernels = collections.Counter()
+        kernels, beside_communication = collections.Counter(), collections.Counter()
+        communication = union(
+            [(e["ts"], e["ts"] + e["dur"]) for e in device_events if _communicates(e["name"])]
+        )
         for event in device_events:
             kernels[event["name"]] += event["dur"]
+            if not _communicates(event["name"]):
+                start, end = event["ts"], event["ts"] + event["dur"]
+                beside_communication[event["name"]] += overlap(start, end, communication)
         intervals = [(e["ts"], e["ts"] + e["dur"]) for e in device_events]
-        out[device] = dict(kernels=kernels, summed=sum(kernels.values()), busy=busy_time(intervals))
+        out[device] = dict(kernels=kernels, summed=sum(kernels.values()), busy=busy_time(intervals),
+                           beside_communication=beside_communication)  # fmt: skip
     return out
+
+
+def _communicates(kernel_name: str) -> bool:
+    return kernel_name.lower().startswith(COMMUNICATION_PREFIX)
 
 
 def report(summary: dict[str, dict], steps: int = 1, top: int = 30) -> str:
@@ -71,7 +104,9 @@ def report(summary: dict[str, dict], steps: int = 1, top: int = 30) -> str:
             f"{parts['busy'] / steps / 1e3:.2f} ms/step busy"
         )
         for name, micros in parts["kernels"].most_common(top):
-            lines.append(f"  {micros / steps / 1e3:8.3f} ms  {name[:110]}")
+            beside = parts["beside_communication"][name]
+            note = f"  ({beside / steps / 1e3:.3f} ms beside NCCL)" if beside else ""
+            lines.append(f"  {micros / steps / 1e3:8.3f} ms  {name[:110]}{note}")
     return "\n".join(lines)
 
 

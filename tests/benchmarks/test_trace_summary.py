@@ -47,6 +47,17 @@ def test_summary_sums_kernels_per_device_and_skips_the_host(tmp_path):
     text = trace_summary.report(summary, steps=2)
     assert "0.12 ms/step summed, 0.10 ms/step busy" in text  # 240 µs and 200 µs over 2 steps
     assert text.index("gemm") < text.index("nccl")  # most time first
+    assert gpu["beside_communication"] == {"gemm": 40}
+    assert "0.070 ms  gemm  (0.020 ms beside NCCL)" in text
+
+
+def test_overlap_with_disjoint_intervals():
+    disjoint = trace_summary.union([(10, 20), (15, 30), (40, 50), (60, 60)])
+    assert disjoint == [(10, 30), (40, 50)]  # merged; the empty interval dropped
+    assert trace_summary.overlap(0, 100, disjoint) == 30
+    assert trace_summary.overlap(25, 45, disjoint) == 10
+    assert trace_summary.overlap(30, 40, disjoint) == 0
+    assert trace_summary.overlap(12, 14, disjoint) == 2
 
 
 def test_missing_trace_is_a_clear_error(tmp_path):
