@@ -77,17 +77,15 @@ def summarize(trace_dir: str, device_prefix: str = "/device:GPU") -> dict[str, d
         )
     out = {}
     for device, device_events in sorted(by_device.items()):
+        spans = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in device_events]
+        communication = union([(a, b) for name, a, b in spans if _communicates(name)])
         kernels, beside_communication = collections.Counter(), collections.Counter()
-        communication = union(
-            [(e["ts"], e["ts"] + e["dur"]) for e in device_events if _communicates(e["name"])]
-        )
-        for event in device_events:
-            kernels[event["name"]] += event["dur"]
-            if not _communicates(event["name"]):
-                start, end = event["ts"], event["ts"] + event["dur"]
-                beside_communication[event["name"]] += overlap(start, end, communication)
-        intervals = [(e["ts"], e["ts"] + e["dur"]) for e in device_events]
-        out[device] = dict(kernels=kernels, summed=sum(kernels.values()), busy=busy_time(intervals),
+        for name, start, end in spans:
+            kernels[name] += end - start
+            if not _communicates(name):
+                beside_communication[name] += overlap(start, end, communication)
+        busy = busy_time([(a, b) for _, a, b in spans])
+        out[device] = dict(kernels=kernels, summed=sum(kernels.values()), busy=busy,
                            beside_communication=beside_communication)  # fmt: skip
     return out
 
