@@ -126,7 +126,7 @@ class MoE(nnx.Module):
                 grouped_matmul=impl,
                 exchange=self.exchange,
                 exchange_factor=self.exchange_factor,
-                beside=self._shared_beside_exchange(dtype),
+                beside=self._shared_expert_in_exchange(dtype),
             )
         if shared is None:
             shared = self.shared_expert(tokens)
@@ -143,7 +143,7 @@ class MoE(nnx.Module):
         }
         return out.reshape(shape), stats
 
-    def _shared_beside_exchange(self, dtype) -> expert_parallel.Beside | None:
+    def _shared_expert_in_exchange(self, dtype) -> expert_parallel.Beside | None:
         """The shared expert as work inside the expert-parallel map, where XLA can run it beside
         the all-to-alls; None (outside, as GSPMD shards it) without an exchange (mesh.expert 1)
         or where the mesh splits its width (`tensor`), which the map would undo."""
