@@ -5,14 +5,18 @@ Inside `jax.shard_map` over the whole mesh each device holds a shard of the toke
 the experts (P = size of the `expert` axis; device p owns experts p·E/P … (p+1)·E/P - 1). Each
 device sorts its (token, expert) rows by expert exactly as on one device (moe_dispatch.py); only
 the expert FFN is replaced by: send rows to the devices owning their experts -> local FFN ->
-send results back. Routing, the shared expert and attention stay outside: for them the expert
-axis is one more data-parallel axis, and the router statistics (computed outside) are global.
+send results back. Routing and attention stay outside: for them the expert axis is one more
+data-parallel axis, and the router statistics (computed outside) are global. The shared expert
+(`Beside`: work on the device's own tokens) may come inside, so that XLA can schedule its matmuls
+beside the all-to-alls, even within the padded exchange's branch; its weights are then whole on
+every device.
 
 Exchanges, by `model.moe.dispatch`:
 - dropless, `moe.exchange: padded` (default): `jax.lax.all_to_all` of fixed blocks of
   ⌈exchange_factor · N·k / P⌉ rows per device pair, zero-padded, and back; in a step where some
   device has more rows than that for some peer, every device takes the branch with blocks of the
   worst case N · min(k, E/P) instead (a `lax.cond` on a global max), so no row is ever dropped.
+  The branch holds everything done on the device, `Beside` work included.
 - dropless, `moe.exchange: ragged`: `jax.lax.ragged_all_to_all` of exactly the rows each device
   needs (exact too). The receive buffer has a static size, the worst case P · N · min(k, E/P) rows
   (every token of every device picking this device's experts). XLA:CPU does not implement
@@ -32,6 +36,8 @@ D model width, E experts (all), P expert-parallel devices, C capacity.
 
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +60,13 @@ from pallas_kernels.moe.tiles import inverse_permutation, permute_rows
 EXPERT_AXIS = "expert"
 
 
+class Beside(NamedTuple):
+    """Work on each device's own tokens that needs no exchange (M3's shared expert)."""
+
+    fn: Callable[..., jax.Array]  # (tokens [N, D], *weights) -> [N, D]
+    weights: tuple[jax.Array, ...]  # whole on every device inside the map (gathered on entry)
+
+
 def routed_experts(
     mesh: Mesh,
     x: jax.Array,
@@ -67,7 +80,8 @@ def routed_experts(
     grouped_matmul: str = "xla",
     exchange: str = "padded",
     exchange_factor: float = 1.25,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    beside: Beside | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """The routed experts with tokens and experts spread over `mesh` (any axis sizes).
 
     Args:
@@ -76,9 +90,11 @@ def routed_experts(
       dispatch: "dropless" or "capacity" (see the module docstring).
       grouped_matmul: the local experts' grouped matmul (moe_dispatch.grouped_matmul_impl).
       exchange, exchange_factor: dropless only, how rows travel (see the module docstring).
+      beside: work to run on each device's tokens beside the exchange, or None.
     Returns:
-      routed output [B, S, D] (before routed_scaling), the global number of dropped rows, and
-      1.0 if the padded exchange needed worst-case blocks in this call, else 0.0 (fp32 scalars).
+      routed output [B, S, D] (before routed_scaling), the global number of dropped rows, 1.0 if
+      the padded exchange needed worst-case blocks in this call, else 0.0 (fp32 scalars), and
+      beside's output [B, S, D] (None without `beside`).
     """
     rules = dict(sharding.RULES)
     batch_axes, seq_axes = rules["batch"], rules["seq"]
@@ -86,6 +102,7 @@ def routed_experts(
     tokens = PartitionSpec(batch_axes, seq_axes)
     on_device = functools.partial(
         _routed_on_device,
+        beside_fn=beside.fn if beside else None,
         activation=activation,
         dispatch=dispatch,
         capacity_factor=capacity_factor,
@@ -95,12 +112,13 @@ def routed_experts(
         token_axes=(*batch_axes, *seq_axes),
         emulate_ragged=_lacks_ragged_all_to_all(mesh),
     )
+    beside_weights = beside.weights if beside else ()
     return jax.shard_map(
         on_device,
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, PartitionSpec(EXPERT_AXIS)),
-        out_specs=(tokens, PartitionSpec(), PartitionSpec()),
-    )(x, chosen, weights, experts)
+        in_specs=(tokens, tokens, tokens, PartitionSpec(EXPERT_AXIS), PartitionSpec()),
+        out_specs=(tokens, PartitionSpec(), PartitionSpec(), tokens if beside else None),
+    )(x, chosen, weights, experts, beside_weights)
 
 
 def _lacks_ragged_all_to_all(mesh: Mesh) -> bool:
@@ -130,7 +148,9 @@ def _routed_on_device(
     chosen: jax.Array,
     weights: jax.Array,
     experts: ExpertWeights,
+    beside_weights: tuple[jax.Array, ...],
     *,
+    beside_fn: Callable[..., jax.Array] | None,
     activation: Activation,
     dispatch: str,
     capacity_factor: float,
@@ -139,45 +159,84 @@ def _routed_on_device(
     exchange_factor: float,
     token_axes: tuple[str, ...],
     emulate_ragged: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """One device's shard: x [B/…, S/…, D], chosen and weights [.., .., k]; E/P local experts."""
     shape, k = x.shape, chosen.shape[-1]
     parts = jax.lax.axis_size(EXPERT_AXIS)
     local_experts = experts.gate.shape[0]
     num_tokens = math.prod(shape[:-1])
+    tokens = x.reshape(num_tokens, shape[-1])
     # Weights typed as varying like the rows, once: autodiff sums their gradient over the token
     # axes here, and the padded exchange's two branches share one residual copy of them.
     experts = ExpertWeights(*(vary_like(w, x) for w in experts))
+    beside_weights = tuple(vary_like(w, x) for w in beside_weights)
     ffn = local_ffn(experts, activation, grouped_matmul)
+
+    def on_device(ffn: ExpertFFN) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        routed, dropped = sorted_experts(
+            tokens,
+            chosen.reshape(num_tokens, k),
+            weights.reshape(num_tokens, k),
+            local_experts * parts,
+            ffn,
+            dispatch=dispatch,
+            capacity_factor=capacity_factor,
+        )
+        return routed, dropped, beside_fn(tokens, *beside_weights) if beside_fn else None
+
     worst_case = jnp.zeros((), jnp.float32)
-    if parts > 1:
+    if parts == 1:
+        routed, dropped, beside = on_device(ffn)
+    else:
         worst = num_tokens * min(k, local_experts)  # the most rows a device can send one peer
         batched = functools.partial(_capacity_exchange, local=ffn.batched)
         if exchange == "padded" and dispatch == "dropless":
+            padded = functools.partial(_padded_ffn, local=ffn.grouped, batched=batched)
             block = min(worst, math.ceil(exchange_factor * num_tokens * k / parts))
             fits = _blocks_fit(chosen, local_experts, parts, block, token_axes)
             worst_case = 1.0 - fits.astype(jnp.float32)
-            padded = functools.partial(
-                _padded_exchange, local=ffn.grouped, block_rows=block, worst_rows=worst, fits=fits
-            )
-            ffn = ExpertFFN(grouped=None, batched=batched, pairs=padded)  # dropless via pairs
+            routed, dropped, beside = _padded_branches(on_device, padded, block, worst, fits)
         else:
             ragged = functools.partial(
                 _ragged_exchange, local=ffn.grouped, rows_per_source=worst, emulate=emulate_ragged
             )
-            ffn = ExpertFFN(grouped=ragged, batched=batched)
-    routed, dropped = sorted_experts(
-        x.reshape(num_tokens, shape[-1]),
-        chosen.reshape(num_tokens, k),
-        weights.reshape(num_tokens, k),
-        local_experts * parts,
-        ffn,
-        dispatch=dispatch,
-        capacity_factor=capacity_factor,
-    )
+            routed, dropped, beside = on_device(ExpertFFN(grouped=ragged, batched=batched))
     if dispatch == "capacity":
         dropped = jax.lax.psum(dropped, token_axes)
-    return routed.reshape(shape), dropped, worst_case
+    beside = None if beside is None else beside.reshape(shape)
+    return routed.reshape(shape), dropped, worst_case, beside
+
+
+def _padded_branches(on_device, padded, block_rows: int, worst_rows: int, fits: jax.Array):
+    """`on_device` with rows exchanged in fixed blocks of `block_rows` rows per device pair.
+
+    When any device has more rows than that for a peer (`fits` false, the same on every device:
+    `_blocks_fit`), every device takes the branch with blocks of `worst_rows` instead, so no row is
+    ever dropped; both branches are compiled, one runs, and the collectives inside match on every
+    device. Each branch is all of the device's work, `Beside` included, so that XLA may run it
+    beside the all-to-alls (it schedules nothing across a branch's boundary).
+    Under autodiff the forward keeps the residuals of both branches, the untaken one's as zeros.
+    The worst-case branch is rematerialised (`jax.checkpoint`) so that its residuals are only its
+    inputs (tokens [N, D], routing, weights) instead of activations of P · worst_rows rows: the
+    common step pays a zero fill of [N, D], the rare worst-case step a second forward pass in
+    backward. The weights, typed like the rows before the branch, are residuals shared by both.
+    """
+    if block_rows >= worst_rows:
+        return on_device(padded(worst_rows))
+    return jax.lax.cond(
+        fits,
+        lambda: on_device(padded(block_rows)),
+        jax.checkpoint(lambda: on_device(padded(worst_rows))),
+    )
+
+
+def _padded_ffn(block: int, *, local, batched) -> ExpertFFN:
+    """The experts reached through the padded exchange with blocks of `block` rows (dropless)."""
+    return ExpertFFN(
+        grouped=None,
+        batched=batched,
+        pairs=functools.partial(_padded_round_trip, local=local, block=block),
+    )
 
 
 def _blocks_fit(chosen, local_experts: int, parts: int, block: int, token_axes) -> jax.Array:
@@ -253,45 +312,13 @@ def expert_major_order(recv_counts: jax.Array, source_starts: jax.Array, num_row
     return RowOrder(inverse_permutation(position), position)
 
 
-def _padded_exchange(
-    x: jax.Array,
-    rows: SortedRows,
-    k: int,
-    *,
-    local,
-    block_rows: int,
-    worst_rows: int,
-    fits: jax.Array,
-) -> jax.Array:
-    """[N, D] tokens -> [N·k, D] expert outputs in (token, choice) order, via fixed-size blocks.
+def _padded_round_trip(x: jax.Array, rows: SortedRows, k: int, *, local, block: int) -> jax.Array:
+    """[N, D] tokens -> [N·k, D] expert outputs in (token, choice) order, through blocks of `block`
+    rows per device pair (each device's rows for the peer's experts, zero-padded; they must fit).
 
-    Each device sends each peer one block of `block_rows` rows (its rows for that peer's experts,
-    zero-padded). When any device has more rows than that for a peer (`fits` false, the same on
-    every device: `_blocks_fit`), every device takes the branch with blocks of `worst_rows`
-    instead, so no row is ever dropped; both branches are compiled, one runs, and the collectives
-    inside match on every device.
-    Under autodiff the forward keeps the residuals of both branches, the untaken one's as zeros.
-    The worst-case branch is rematerialised (`jax.checkpoint`) so that its residuals are only its
-    inputs (tokens [N, D], weights) instead of activations of P · worst_rows rows: the common step
-    pays a zero fill of [N, D], the rare worst-case step a second forward pass in backward. The
-    weights, typed like the rows before the branch, are one residual shared by both branches.
-    """
+    Tokens go straight into the [P, block] send blocks and results straight back to (token,
+    choice) order: the sorted rows are never materialised (one gather each way)."""
     send_sizes, recv_counts = _exchange_counts(rows.group_sizes)
-    round_trip = functools.partial(_padded_round_trip, x, rows, k, send_sizes, recv_counts, local)
-    if block_rows >= worst_rows:
-        return round_trip(worst_rows)
-    return jax.lax.cond(
-        fits,
-        functools.partial(round_trip, block_rows),
-        jax.checkpoint(functools.partial(round_trip, worst_rows)),
-    )
-
-
-def _padded_round_trip(
-    x: jax.Array, rows: SortedRows, k: int, send_sizes, recv_counts, local, block: int
-) -> jax.Array:
-    """Tokens straight into [P, block] send blocks, through the local experts, back straight to
-    (token, choice) order: the sorted rows are never materialised (one gather each way)."""
     parts, num_pairs, dim = recv_counts.shape[0], rows.order.shape[0], x.shape[1]
     slot = jnp.arange(block, dtype=jnp.int32)
     send_starts = _exclusive_cumsum(send_sizes)

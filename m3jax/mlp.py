@@ -28,6 +28,16 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D], computed in x's dtype."""
-        gate = x @ self.gate_proj[...].astype(x.dtype)
-        up = x @ self.up_proj[...].astype(x.dtype)
-        return swigluoai(gate, up, self.alpha, self.limit) @ self.down_proj[...].astype(x.dtype)
+        return swiglu_mlp(x, *self.weights(x.dtype), alpha=self.alpha, limit=self.limit)
+
+    def weights(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate [D, F], up [D, F], down [F, D]) in `dtype`: the arguments of `swiglu_mlp`."""
+        return tuple(w[...].astype(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+
+def swiglu_mlp(
+    x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *, alpha: float, limit: float
+) -> jax.Array:
+    """x [..., D] -> [..., D] through one swigluoai MLP, as a function of its weights (so that it
+    can run where modules can't, inside `shard_map`: m3jax/expert_parallel.py)."""
+    return swigluoai(x @ gate, x @ up, alpha, limit) @ down

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from m3jax import expert_parallel, params
 from m3jax.config import ModelConfig
-from m3jax.mlp import MLP, swigluoai
+from m3jax.mlp import MLP, swiglu_mlp, swigluoai
 from m3jax.moe_dispatch import (
     ExpertWeights,
     dense_experts,
@@ -99,7 +99,7 @@ class MoE(nnx.Module):
         )
         activation = functools.partial(swigluoai, alpha=self.alpha, limit=self.limit)
         num_experts, dropped = scores.shape[-1], jnp.zeros((), jnp.int32)
-        worst_case = jnp.zeros((), jnp.float32)
+        worst_case, shared = jnp.zeros((), jnp.float32), None
         impl = grouped_matmul_impl(self.grouped_matmul, dtype, *experts.gate.shape[1:])
         if self.dispatch == "dense":
             routed = dense_experts(tokens, chosen, weights, experts, activation)
@@ -114,7 +114,7 @@ class MoE(nnx.Module):
                 capacity_factor=self.capacity_factor,
             )
         else:
-            routed, dropped, worst_case = expert_parallel.routed_experts(
+            routed, dropped, worst_case, shared = expert_parallel.routed_experts(
                 self.mesh,
                 x,
                 chosen.reshape(*shape[:-1], self.k),
@@ -126,8 +126,11 @@ class MoE(nnx.Module):
                 grouped_matmul=impl,
                 exchange=self.exchange,
                 exchange_factor=self.exchange_factor,
+                beside=self._shared_expert_in_exchange(dtype),
             )
-        out = self.routed_scaling * routed.reshape(tokens.shape) + self.shared_expert(tokens)
+        if shared is None:
+            shared = self.shared_expert(tokens)
+        out = self.routed_scaling * routed.reshape(tokens.shape) + shared.reshape(tokens.shape)
 
         mask = token_mask.reshape(-1, 1).astype(jnp.float32)
         load = jnp.zeros((num_experts,), jnp.float32).at[chosen].add(mask)
@@ -139,3 +142,12 @@ class MoE(nnx.Module):
             "exchange_worst_case": worst_case,
         }
         return out.reshape(shape), stats
+
+    def _shared_expert_in_exchange(self, dtype) -> expert_parallel.Beside | None:
+        """The shared expert as work inside the expert-parallel map, where XLA can run it beside
+        the all-to-alls; None (outside, as GSPMD shards it) without an exchange (mesh.expert 1)
+        or where the mesh splits its width (`tensor`), which the map would undo."""
+        if self.mesh.shape["expert"] == 1 or self.mesh.shape["tensor"] > 1:
+            return None
+        fn = functools.partial(swiglu_mlp, alpha=self.alpha, limit=self.limit)
+        return expert_parallel.Beside(fn, self.shared_expert.weights(dtype))

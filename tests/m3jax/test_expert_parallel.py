@@ -206,7 +206,9 @@ def test_real_ragged_all_to_all_path_differentiates_like_the_emulation(monkeypat
             assert "expert" in e.outvars[0].aval.mat.varying
             assert e.outvars[0].aval.mat.varying == e.invars[0].aval.mat.varying
     assert psums[False] == psums[True]
-    assert len(psums[True]) == 3  # the expert weights' gradients, summed over the token axes
+    # The gradients of the expert weights and of the shared expert's (inside the map, whole on
+    # every device), each summed over the token axes.
+    assert len(psums[True]) == 6
 
 
 @pytest.mark.parametrize("padded", [False, True])
