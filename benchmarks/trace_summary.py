@@ -77,14 +77,15 @@ def summarize(trace_dir: str, device_prefix: str = "/device:GPU") -> dict[str, d
         )
     out = {}
     for device, device_events in sorted(by_device.items()):
-        spans = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in device_events]
-        communication = union([(a, b) for name, a, b in spans if _communicates(name)])
+        spans = [(e["name"], e["ts"], e["ts"] + e["dur"], _communicates(e["name"]))
+                 for e in device_events]  # fmt: skip
+        communication = union([(a, b) for _, a, b, communicates in spans if communicates])
         kernels, beside_communication = collections.Counter(), collections.Counter()
-        for name, start, end in spans:
+        for name, start, end, communicates in spans:
             kernels[name] += end - start
-            if not _communicates(name):
+            if not communicates:
                 beside_communication[name] += overlap(start, end, communication)
-        busy = busy_time([(a, b) for _, a, b in spans])
+        busy = busy_time([(a, b) for _, a, b, _ in spans])
         out[device] = dict(kernels=kernels, summed=sum(kernels.values()), busy=busy,
                            beside_communication=beside_communication)  # fmt: skip
     return out
