@@ -20,8 +20,9 @@ Exchanges, by `model.moe.dispatch`:
   number of rows. In a step where some block or some device's rows would overflow, every device
   takes the branch sized for the worst case instead (a `lax.cond` on a global max), so no row is
   ever dropped. The branch holds everything done on the device, `Beside` work included. With
-  k = 4 of E experts spread over P = 2 devices, a token has 2 rows for each device on average
-  but is sent once: 0.47 of the rows' traffic.
+  k = 4 of E = 32 experts on P = 2 devices a token has 2 rows for each device on average but is
+  sent once (0.47 of the rows' traffic); the price is one more rounding of the partial sums to the
+  activations' dtype than on one device (measured: benchmarks/RESULTS.md).
 - dropless, `moe.exchange: ragged`: the (token, expert) rows sorted by expert as on one device
   (moe_dispatch.py), `jax.lax.ragged_all_to_all` of exactly the rows each device needs (exact
   too). The receive buffer has a static size, the worst case P · N · min(k, E/P) rows
@@ -123,7 +124,7 @@ def routed_experts(
       experts: all E experts' weights ([E, D, F], [E, D, F], [E, F, D]) in x's dtype.
       dispatch: "dropless" or "capacity" (see the module docstring).
       grouped_matmul: the local experts' grouped matmul (moe_dispatch.grouped_matmul_impl).
-      exchange, exchange_factor: dropless only, how rows travel (see the module docstring).
+      exchange, exchange_factor: dropless only, how tokens travel (see the module docstring).
       beside: work to run on each device's tokens beside the exchange, or None.
     Returns:
       routed output [B, S, D] (before routed_scaling), the global number of dropped rows, 1.0 if
@@ -212,7 +213,7 @@ def _routed_on_device(
         routed, dropped = routed_fn(tokens, chosen, weights)
         return routed, dropped, beside_fn(tokens, *beside_weights) if beside_fn else None
 
-    def through(ffn: ExpertFFN):
+    def sorted_through(ffn: ExpertFFN):
         return functools.partial(
             sorted_experts,
             num_experts=local_experts * parts,
@@ -223,7 +224,7 @@ def _routed_on_device(
 
     worst_case = jnp.zeros((), jnp.float32)
     if parts == 1:
-        routed, dropped, beside = on_device(through(ffn))
+        routed, dropped, beside = on_device(sorted_through(ffn))
     elif exchange == "padded" and dispatch == "dropless":
         usual, worst = padded_blocks(num_tokens, k, local_experts * parts, parts, exchange_factor)
         fits = _blocks_fit(chosen, local_experts, usual, token_axes)
@@ -243,7 +244,9 @@ def _routed_on_device(
             _ragged_exchange, local=ffn.grouped, rows_per_source=worst, emulate=emulate_ragged
         )
         batched = functools.partial(_capacity_exchange, local=ffn.batched)
-        routed, dropped, beside = on_device(through(ExpertFFN(grouped=ragged, batched=batched)))
+        routed, dropped, beside = on_device(
+            sorted_through(ExpertFFN(grouped=ragged, batched=batched))
+        )
     if dispatch == "capacity":
         dropped = jax.lax.psum(dropped, token_axes)
     beside = None if beside is None else beside.reshape(shape)
