@@ -63,10 +63,11 @@ class MoEConfig:
     # dropless: the grouped matmul's implementation. auto = the Pallas Mosaic GPU kernel on GPUs
     # (bf16/f16, widths multiples of 128), else XLA's ragged_dot.
     grouped_matmul: str = "auto"
-    # dropless with mesh.expert > 1: how rows travel. padded = fixed-size all_to_all blocks of
-    # ⌈exchange_factor · tokens · k / P⌉ rows per device pair, the worst case (tokens · min(k, E/P))
-    # only in steps where a block would overflow; ragged = jax.lax.ragged_all_to_all of exactly the
-    # rows (slower on GPUs: benchmarks/RESULTS.md). Both exact.
+    # dropless with mesh.expert > 1: how tokens travel. padded = each token once to each device
+    # owning some of its experts, in fixed-size all_to_all blocks of exchange_factor × the tokens a
+    # device pair exchanges under uniform routing (expert_parallel.padded_blocks), worst-case sizes
+    # only in steps where they would overflow; ragged = jax.lax.ragged_all_to_all of exactly the
+    # (token, expert) rows (slower on GPUs: benchmarks/RESULTS.md). Both drop nothing.
     exchange: str = "padded"
     exchange_factor: float = 1.25
 

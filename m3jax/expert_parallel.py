@@ -2,23 +2,30 @@
 
 Inside `jax.shard_map` over the whole mesh each device holds a shard of the tokens (rows over the
 `batch` axes data, fsdp, expert; sequence over `seq`: the RULES of m3jax/sharding.py) and E/P of
-the experts (P = size of the `expert` axis; device p owns experts p·E/P … (p+1)·E/P - 1). Each
-device sorts its (token, expert) rows by expert exactly as on one device (moe_dispatch.py); only
-the expert FFN is replaced by: send rows to the devices owning their experts -> local FFN ->
-send results back. Routing and attention stay outside: for them the expert axis is one more
-data-parallel axis, and the router statistics (computed outside) are global. The shared expert
+the experts (P = size of the `expert` axis; device p owns experts p·E/P … (p+1)·E/P - 1). Tokens
+travel to the devices owning their experts, the local experts run, results travel back. Routing
+and attention stay outside: for them the expert axis is one more data-parallel axis, and the
+router statistics (computed outside) are global. The shared expert
 (`Beside`: work on the device's own tokens) may come inside, so that XLA can schedule its matmuls
 beside the all-to-alls, even within the padded exchange's branch; its weights are then whole on
 every device.
 
 Exchanges, by `model.moe.dispatch`:
-- dropless, `moe.exchange: padded` (default): `jax.lax.all_to_all` of fixed blocks of
-  ⌈exchange_factor · N·k / P⌉ rows per device pair, zero-padded, and back; in a step where some
-  device has more rows than that for some peer, every device takes the branch with blocks of the
-  worst case N · min(k, E/P) instead (a `lax.cond` on a global max), so no row is ever dropped.
-  The branch holds everything done on the device, `Beside` work included.
-- dropless, `moe.exchange: ragged`: `jax.lax.ragged_all_to_all` of exactly the rows each device
-  needs (exact too). The receive buffer has a static size, the worst case P · N · min(k, E/P) rows
+- dropless, `moe.exchange: padded` (default): each token travels once to each device owning any
+  of its k experts, with its expert ids and routing weights, however many of them that device
+  owns (`_padded_round_trip`); the device sorts the (token, choice) rows it received by expert,
+  runs its experts, sums each token's weighted outputs and sends one row per token back, where
+  the partial sums of the P devices add up. `jax.lax.all_to_all` moves fixed blocks of
+  `padded_blocks(...)` tokens per device pair, zero-padded; the local experts take a fixed
+  number of rows. In a step where some block or some device's rows would overflow, every device
+  takes the branch sized for the worst case instead (a `lax.cond` on a global max), so no row is
+  ever dropped. The branch holds everything done on the device, `Beside` work included. With
+  k = 4 of E = 32 experts on P = 2 devices a token has 2 rows for each device on average but is
+  sent once (0.47 of the rows' traffic); the price is one more rounding of the partial sums to the
+  activations' dtype than on one device (measured: benchmarks/RESULTS.md).
+- dropless, `moe.exchange: ragged`: the (token, expert) rows sorted by expert as on one device
+  (moe_dispatch.py), `jax.lax.ragged_all_to_all` of exactly the rows each device needs (exact
+  too). The receive buffer has a static size, the worst case P · N · min(k, E/P) rows
   (every token of every device picking this device's experts). XLA:CPU does not implement
   ragged-all-to-all (jax 0.11.2: "UNIMPLEMENTED: HLO opcode `ragged-all-to-all`"): on the CPU
   backend an all_gather-based equivalent with the same arguments and result runs instead.
@@ -50,14 +57,42 @@ from m3jax.moe_dispatch import (
     ExpertWeights,
     RowOrder,
     SortedRows,
+    combine,
     expand_tokens,
     local_ffn,
+    pairs_ffn,
+    sort_rows,
     sorted_experts,
 )
 from pallas_kernels.moe.mosaic_gpu import vary_like
 from pallas_kernels.moe.tiles import inverse_permutation, permute_rows
 
 EXPERT_AXIS = "expert"
+
+
+class Blocks(NamedTuple):
+    """Static sizes of the padded exchange."""
+
+    tokens: int  # the most tokens a device sends one peer (all_to_all block rows)
+    rows: int  # the most (token, expert) rows a device's experts receive in all
+
+
+def padded_blocks(
+    num_tokens: int, k: int, num_experts: int, parts: int, factor: float
+) -> tuple[Blocks, Blocks]:
+    """(the usual sizes, the worst case) for N = `num_tokens` tokens per device.
+
+    Usual: `factor` times what a device pair and a device need under balanced routing, a token
+    reaching a given peer unless all its k distinct choices miss that peer's E/P experts
+    (probability Π_{i<k} (E - E/P - i) / (E - i)), and a device receiving N·k rows. Worst: every
+    token to every peer, with min(k, E/P) rows each.
+    """
+    local = num_experts // parts
+    worst = Blocks(num_tokens, parts * num_tokens * min(k, local))
+    miss = math.prod((num_experts - local - i) / (num_experts - i) for i in range(k))
+    tokens = min(worst.tokens, math.ceil(factor * num_tokens * (1 - miss)))
+    rows = min(parts * tokens * min(k, local), math.ceil(factor * num_tokens * k))
+    return Blocks(tokens, rows), worst
 
 
 class Beside(NamedTuple):
@@ -89,7 +124,7 @@ def routed_experts(
       experts: all E experts' weights ([E, D, F], [E, D, F], [E, F, D]) in x's dtype.
       dispatch: "dropless" or "capacity" (see the module docstring).
       grouped_matmul: the local experts' grouped matmul (moe_dispatch.grouped_matmul_impl).
-      exchange, exchange_factor: dropless only, how rows travel (see the module docstring).
+      exchange, exchange_factor: dropless only, how tokens travel (see the module docstring).
       beside: work to run on each device's tokens beside the exchange, or None.
     Returns:
       routed output [B, S, D] (before routed_scaling), the global number of dropped rows, 1.0 if
@@ -171,79 +206,87 @@ def _routed_on_device(
     experts = ExpertWeights(*(vary_like(w, x) for w in experts))
     beside_weights = tuple(vary_like(w, x) for w in beside_weights)
     ffn = local_ffn(experts, activation, grouped_matmul)
+    chosen, weights = chosen.reshape(num_tokens, k), weights.reshape(num_tokens, k)
 
-    def on_device(ffn: ExpertFFN) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        routed, dropped = sorted_experts(
-            tokens,
-            chosen.reshape(num_tokens, k),
-            weights.reshape(num_tokens, k),
-            local_experts * parts,
-            ffn,
+    def on_device(routed_fn) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """routed_fn: (tokens, chosen, weights) -> (routed [N, D], dropped rows)."""
+        routed, dropped = routed_fn(tokens, chosen, weights)
+        return routed, dropped, beside_fn(tokens, *beside_weights) if beside_fn else None
+
+    def sorted_through(ffn: ExpertFFN):
+        return functools.partial(
+            sorted_experts,
+            num_experts=local_experts * parts,
+            ffn=ffn,
             dispatch=dispatch,
             capacity_factor=capacity_factor,
         )
-        return routed, dropped, beside_fn(tokens, *beside_weights) if beside_fn else None
 
     worst_case = jnp.zeros((), jnp.float32)
     if parts == 1:
-        routed, dropped, beside = on_device(ffn)
+        routed, dropped, beside = on_device(sorted_through(ffn))
+    elif exchange == "padded" and dispatch == "dropless":
+        usual, worst = padded_blocks(num_tokens, k, local_experts * parts, parts, exchange_factor)
+        fits = _blocks_fit(chosen, local_experts, usual, token_axes)
+        worst_case = 1.0 - fits.astype(jnp.float32)
+
+        def padded(blocks: Blocks):
+            return on_device(
+                functools.partial(
+                    _padded_round_trip, ffn=ffn, local_experts=local_experts, blocks=blocks
+                )
+            )
+
+        routed, dropped, beside = _padded_branches(padded, usual, worst, fits)
     else:
         worst = num_tokens * min(k, local_experts)  # the most rows a device can send one peer
+        ragged = functools.partial(
+            _ragged_exchange, local=ffn.grouped, rows_per_source=worst, emulate=emulate_ragged
+        )
         batched = functools.partial(_capacity_exchange, local=ffn.batched)
-        if exchange == "padded" and dispatch == "dropless":
-            padded = functools.partial(_padded_ffn, local=ffn.grouped, batched=batched)
-            block = min(worst, math.ceil(exchange_factor * num_tokens * k / parts))
-            fits = _blocks_fit(chosen, local_experts, parts, block, token_axes)
-            worst_case = 1.0 - fits.astype(jnp.float32)
-            routed, dropped, beside = _padded_branches(on_device, padded, block, worst, fits)
-        else:
-            ragged = functools.partial(
-                _ragged_exchange, local=ffn.grouped, rows_per_source=worst, emulate=emulate_ragged
-            )
-            routed, dropped, beside = on_device(ExpertFFN(grouped=ragged, batched=batched))
+        routed, dropped, beside = on_device(
+            sorted_through(ExpertFFN(grouped=ragged, batched=batched))
+        )
     if dispatch == "capacity":
         dropped = jax.lax.psum(dropped, token_axes)
     beside = None if beside is None else beside.reshape(shape)
     return routed.reshape(shape), dropped, worst_case, beside
 
 
-def _padded_branches(on_device, padded, block_rows: int, worst_rows: int, fits: jax.Array):
-    """`on_device` with rows exchanged in fixed blocks of `block_rows` rows per device pair.
+def _padded_branches(padded, usual: Blocks, worst: Blocks, fits: jax.Array):
+    """`padded(usual)`, or where it would overflow (`fits` false), `padded(worst)`.
 
-    When any device has more rows than that for a peer (`fits` false, the same on every device:
-    `_blocks_fit`), every device takes the branch with blocks of `worst_rows` instead, so no row is
-    ever dropped; both branches are compiled, one runs, and the collectives inside match on every
-    device. Each branch is all of the device's work, `Beside` included, so that XLA may run it
-    beside the all-to-alls (it schedules nothing across a branch's boundary).
-    Under autodiff the forward keeps the residuals of both branches, the untaken one's as zeros.
-    The worst-case branch is rematerialised (`jax.checkpoint`) so that its residuals are only its
-    inputs (tokens [N, D], routing, weights) instead of activations of P · worst_rows rows: the
-    common step pays a zero fill of [N, D], the rare worst-case step a second forward pass in
-    backward. The weights, typed like the rows before the branch, are residuals shared by both.
+    `fits` is the same on every device (`_blocks_fit`): both branches are compiled, one runs, and
+    the collectives inside match on every device. Each branch is all of the device's work,
+    `Beside` included, so that XLA may run it beside the all-to-alls (it schedules nothing across
+    a branch's boundary). Under autodiff the forward keeps the residuals of both branches, the
+    untaken one's as zeros. The worst-case branch is rematerialised (`jax.checkpoint`) so that its
+    residuals are only its inputs (tokens [N, D], routing, weights) instead of activations of
+    worst-case size: the common step pays a zero fill of [N, D], the rare worst-case step a second
+    forward pass in backward. The weights, typed like the rows before the branch, are residuals
+    shared by both.
     """
-    if block_rows >= worst_rows:
-        return on_device(padded(worst_rows))
-    return jax.lax.cond(
-        fits,
-        lambda: on_device(padded(block_rows)),
-        jax.checkpoint(lambda: on_device(padded(worst_rows))),
-    )
+    if usual == worst:
+        return padded(worst)
+    return jax.lax.cond(fits, lambda: padded(usual), jax.checkpoint(lambda: padded(worst)))
 
 
-def _padded_ffn(block: int, *, local, batched) -> ExpertFFN:
-    """The experts reached through the padded exchange with blocks of `block` rows (dropless)."""
-    return ExpertFFN(
-        grouped=None,
-        batched=batched,
-        pairs=functools.partial(_padded_round_trip, local=local, block=block),
-    )
+def _peers_visited(chosen: jax.Array, local_experts: int) -> jax.Array:
+    """[N, k] expert ids -> [N, P] bool: whether the token has a chosen expert on device p."""
+    parts = jax.lax.axis_size(EXPERT_AXIS)
+    owner = chosen // local_experts
+    return (owner[:, :, None] == jnp.arange(parts, dtype=owner.dtype)).any(1)
 
 
-def _blocks_fit(chosen, local_experts: int, parts: int, block: int, token_axes) -> jax.Array:
-    """Whether no device has more than `block` rows for any peer (bool, the same everywhere)."""
-    peer = chosen.reshape(-1) // local_experts
-    rows_per_peer = jnp.zeros((parts,), jnp.int32).at[peer].add(1)
-    return jax.lax.pmax(rows_per_peer.max(), token_axes) <= block
+def _blocks_fit(chosen, local_experts: int, blocks: Blocks, token_axes) -> jax.Array:
+    """Whether no device sends any peer more than blocks.tokens tokens, nor receives more than
+    blocks.rows rows (bool, the same on every device)."""
+    parts = jax.lax.axis_size(EXPERT_AXIS)
+    tokens_per_peer = _peers_visited(chosen, local_experts).sum(0, dtype=jnp.int32)
+    rows_per_peer = jnp.zeros((parts,), jnp.int32).at[chosen.reshape(-1) // local_experts].add(1)
+    rows_received = jax.lax.psum(rows_per_peer, EXPERT_AXIS)  # [P]: by each device of my group
+    overflow = (tokens_per_peer.max() > blocks.tokens) | (rows_received.max() > blocks.rows)
+    return jax.lax.pmax(overflow.astype(jnp.int32), token_axes) == 0
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
@@ -312,27 +355,50 @@ def expert_major_order(recv_counts: jax.Array, source_starts: jax.Array, num_row
     return RowOrder(inverse_permutation(position), position)
 
 
-def _padded_round_trip(x: jax.Array, rows: SortedRows, k: int, *, local, block: int) -> jax.Array:
-    """[N, D] tokens -> [N·k, D] expert outputs in (token, choice) order, through blocks of `block`
-    rows per device pair (each device's rows for the peer's experts, zero-padded; they must fit).
+def _padded_round_trip(
+    x: jax.Array,
+    chosen: jax.Array,
+    weights: jax.Array,
+    *,
+    ffn: ExpertFFN,
+    local_experts: int,
+    blocks: Blocks,
+) -> tuple[jax.Array, jax.Array]:
+    """[N, D] tokens, [N, k] expert ids and weights -> (routed output [N, D], 0 rows dropped),
+    each token sent once to each device owning some of its experts (`blocks` must fit).
 
-    Tokens go straight into the [P, block] send blocks and results straight back to (token,
-    choice) order: the sorted rows are never materialised (one gather each way)."""
-    send_sizes, recv_counts = _exchange_counts(rows.group_sizes)
-    parts, num_pairs, dim = recv_counts.shape[0], rows.order.shape[0], x.shape[1]
-    slot = jnp.arange(block, dtype=jnp.int32)
-    send_starts = _exclusive_cumsum(send_sizes)
-    # Slot (p, i) of the send blocks holds sorted row send_starts[p] + i, or nothing (zeros).
-    sorted_row = jnp.where(slot < send_sizes[:, None], send_starts[:, None] + slot, num_pairs)
-    pair = rows.order.at[sorted_row.reshape(-1)].get(mode="fill", fill_value=num_pairs)
-    pair_slot = inverse_permutation(pair, num_pairs)  # where each (token, choice) sits in blocks
-    sent = expand_tokens(x, pair, pair_slot, k).reshape(parts, block, dim)
-    received = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, dim)
-    source_starts = jnp.arange(parts, dtype=jnp.int32) * block
-    order = expert_major_order(recv_counts, source_starts, parts * block)
-    y = local(received, recv_counts.sum(0), order).reshape(parts, block, dim)
-    returned = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True).reshape(-1, dim)
-    return permute_rows(returned, pair_slot, pair)
+    A visit is a (token, peer) pair, numbered token · P + peer; it takes the next free slot of
+    the [P, blocks.tokens] send blocks. Tokens go out and partial sums come back by one gather
+    each way (`expand_tokens`, `permute_rows`: gathers in backward too).
+    """
+    parts, me = jax.lax.axis_size(EXPERT_AXIS), jax.lax.axis_index(EXPERT_AXIS)
+    num_tokens, k = chosen.shape
+    num_slots = parts * blocks.tokens
+    visits = _peers_visited(chosen, local_experts)  # [N, P]
+    slot = jnp.arange(parts, dtype=jnp.int32) * blocks.tokens + jnp.cumsum(visits, 0) - 1
+    visit_slot = jnp.where(visits, slot, num_slots).astype(jnp.int32).reshape(-1)  # [N·P]
+    slot_visit = inverse_permutation(visit_slot, num_slots)  # [P·T], N·P where empty
+
+    def exchange(a: jax.Array) -> jax.Array:
+        blocked = a.reshape(parts, blocks.tokens, *a.shape[1:])
+        return jax.lax.all_to_all(blocked, EXPERT_AXIS, 0, 0, tiled=True).reshape(a.shape)
+
+    received = exchange(expand_tokens(x, slot_visit, visit_slot, parts))  # [P·T, D]
+    received_weights = exchange(expand_tokens(weights, slot_visit, visit_slot, parts))
+    sent_experts = chosen.at[slot_visit // parts].get(mode="fill", fill_value=-1)
+    local = exchange(sent_experts) - me * local_experts  # [P·T, k]; others' and gaps' out of range
+    local = jnp.where((local >= 0) & (local < local_experts), local, local_experts)
+    rows = sort_rows(local, local_experts + 1)  # the last group: choices not on this device
+    rows = SortedRows(
+        rows.order[: blocks.rows],
+        rows.inverse,
+        rows.expert_ids[: blocks.rows],
+        rows.group_sizes[:local_experts],
+    )
+    partial_sums = combine(pairs_ffn(received, rows, k, ffn), received_weights)  # [P·T, D]
+    returned = exchange(partial_sums)
+    per_visit = permute_rows(returned, visit_slot, slot_visit).reshape(num_tokens, parts, -1)
+    return per_visit.sum(1, dtype=jnp.float32).astype(x.dtype), jnp.zeros((), jnp.int32)
 
 
 def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):

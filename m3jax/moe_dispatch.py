@@ -221,12 +221,11 @@ class ExpertFFN(NamedTuple):
     signatures wrap an exchange between devices around the local experts (expert_parallel.py).
     """
 
-    # ([R, D] rows, [E] sizes, their order into expert order or None if sorted) -> [R, D];
-    # None only where `pairs` is set
-    grouped: Callable[[jax.Array, jax.Array, RowOrder | None], jax.Array] | None
+    # ([R, D] rows, [E] sizes, their order into expert order or None if sorted) -> [R, D]
+    grouped: Callable[[jax.Array, jax.Array, RowOrder | None], jax.Array]
     batched: Callable[[jax.Array], jax.Array]  # [E, C, D] -> [E, C, D]
     # dropless straight from tokens: ([N, D], rows, k) -> [N·k, D] in (token, choice) order;
-    # None: through `grouped` on sorted rows.
+    # None: through `grouped` on sorted rows (`pairs_ffn`).
     pairs: Callable[[jax.Array, SortedRows, int], jax.Array] | None = None
 
 
@@ -268,16 +267,24 @@ def sorted_experts(
     if dispatch not in ("dropless", "capacity"):
         raise ValueError(f"{dispatch=} is not 'dropless' or 'capacity'")
     rows = sort_rows(chosen, num_experts)
-    dropped = jnp.zeros((), jnp.int32)
-    if dispatch == "dropless" and ffn.pairs is not None:
-        return combine(ffn.pairs(x, rows, k), weights), dropped
-    x_sorted = expand_tokens(x, rows.order, rows.inverse, k)  # sorted row i: token order[i] // k
     if dispatch == "dropless":
-        y_sorted = ffn.grouped(x_sorted, rows.group_sizes)
-    else:
-        size = capacity(num_tokens, k, num_experts, capacity_factor)
-        y_buffers = ffn.batched(to_buffers(x_sorted, rows.group_sizes, size))
-        y_sorted, kept = from_buffers(y_buffers, rows, size)
-        dropped = num_tokens * k - kept.sum(dtype=jnp.int32)
+        return combine(pairs_ffn(x, rows, k, ffn), weights), jnp.zeros((), jnp.int32)
+    x_sorted = expand_tokens(x, rows.order, rows.inverse, k)  # sorted row i: token order[i] // k
+    size = capacity(num_tokens, k, num_experts, capacity_factor)
+    y_buffers = ffn.batched(to_buffers(x_sorted, rows.group_sizes, size))
+    y_sorted, kept = from_buffers(y_buffers, rows, size)
     y_pairs = permute_rows(y_sorted, rows.inverse, rows.order)  # back to (token, choice) order
-    return combine(y_pairs, weights), dropped
+    return combine(y_pairs, weights), num_tokens * k - kept.sum(dtype=jnp.int32)
+
+
+def pairs_ffn(x: jax.Array, rows: SortedRows, k: int, ffn: ExpertFFN) -> jax.Array:
+    """[N, D] tokens -> [N·k, D]: each (token, choice) pair through its expert, in pair order.
+
+    `rows` may hold fewer sorted rows than pairs (the first ones, `group_sizes` covering only
+    them): pairs whose sorted place lies past them come out zero.
+    """
+    if ffn.pairs is not None:
+        return ffn.pairs(x, rows, k)
+    x_sorted = expand_tokens(x, rows.order, rows.inverse, k)  # sorted row i: token order[i] // k
+    y_sorted = ffn.grouped(x_sorted, rows.group_sizes)
+    return permute_rows(y_sorted, rows.inverse, rows.order)  # back to (token, choice) order

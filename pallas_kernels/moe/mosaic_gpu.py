@@ -240,7 +240,7 @@ def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """x, typed as varying over the manual mesh axes `like` varies over (inside `shard_map`).
 
     Kernels drop the type, so it is restored around them; expert_parallel.py also uses it to give
-    the expert weights the rows' type once, before any branch (see `_padded_exchange`)."""
+    the expert weights the rows' type once, before any branch (see `_padded_branches`)."""
     missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 

@@ -72,10 +72,11 @@ def reorder(layout: TileLayout, source: jax.Array, position: jax.Array) -> TileL
     """The layout of rows that are in expert order only after a permutation.
 
     source[i]: the row that is sorted row i; position[r]: the sorted place of row r (inverse
-    partial permutations, as for `permute_rows`). `to_tiles` / `from_tiles` with the result move
-    rows in their own order straight into and out of the tiles, skipping the sorted copy.
+    partial permutations, as for `permute_rows`; `source` may cover only the first sorted places,
+    the layout's rows). `to_tiles` / `from_tiles` with the result move rows in their own order
+    straight into and out of the tiles, skipping the sorted copy.
     """
-    tile_source = source.at[layout.source].get(mode="fill", fill_value=source.shape[0])
+    tile_source = source.at[layout.source].get(mode="fill", fill_value=position.shape[0])
     destination = layout.destination.at[position].get(
         mode="fill", fill_value=layout.source.shape[0]
     )  # rows with no sorted place (position out of range) get no tile

@@ -10,6 +10,7 @@ against the example in jax's own documentation.
 """
 
 import functools
+import itertools
 import math
 import os
 import re
@@ -78,30 +79,58 @@ def test_expert_parallel_equals_one_device(mesh_name, dispatch, exchange):
     assert np.asarray(stats["load"])[-1] == 0
 
 
-def rows_per_device_pair(experts: np.ndarray, parts: int, num_experts: int) -> np.ndarray:
-    """[P, P]: rows device d sends device p, tokens split over the expert axis by batch row."""
-    owner = np.asarray(experts).reshape(parts, -1) // (num_experts // parts)  # [P, rows of d]
-    return np.stack([np.bincount(o, minlength=parts) for o in owner])
+def busiest_exchange(experts: np.ndarray, parts: int, num_experts: int) -> tuple[int, int]:
+    """(the most tokens a device sends one peer, the most rows a device receives), tokens split
+    over the expert axis by batch row."""
+    k = experts.shape[-1]
+    owner = np.asarray(experts).reshape(parts, -1, k) // (num_experts // parts)  # [P, N, k]
+    visits = owner[..., None] == np.arange(parts)  # [P(source), N, k, P(peer)]
+    tokens = visits.any(2).sum(1).max()
+    rows = visits.sum((0, 1, 2)).max()
+    return int(tokens), int(rows)
 
 
 @pytest.mark.parametrize("mesh_name", [n for n in ("ep2", "ep4") if n in RUNNABLE])
-def test_padded_exchange_is_exact_whether_blocks_fit_or_not(mesh_name):
-    """Blocks exactly as large as the busiest device pair needs (the small-block branch, full),
-    and one row smaller (every device switches to worst-case blocks): both equal one device."""
+def test_padded_exchange_is_exact_whether_blocks_fit_or_not(mesh_name, monkeypatch):
+    """Blocks exactly as large as the busiest device pair and device need (the usual branch,
+    full), and one token or one row smaller (every device switches to the worst-case branch):
+    all equal one device."""
     mesh, parts = mesh_of(mesh_name), MESHES[mesh_name]["expert"]
     out_ref, stats_ref, grads_ref = one_device("dropless", NO_DROPS)
     config = moe_config(dispatch="dropless", exchange="padded")
-    tokens, k = B * S // parts, config.moe.experts_per_token
-    busiest = rows_per_device_pair(stats_ref["experts"], parts, config.moe.num_experts).max()
-    worst = tokens * min(k, config.moe.num_experts // parts)
-    assert 1 < busiest < worst  # else there would be no choice of block size to test
-    for block in (busiest, busiest - 1):
-        factor = (block - 0.5) * parts / (tokens * k)  # ⌈factor · N·k / P⌉ = block
-        config = moe_config(dispatch="dropless", exchange="padded", exchange_factor=factor)
+    tokens, rows = busiest_exchange(stats_ref["experts"], parts, config.moe.num_experts)
+    _, worst = expert_parallel.padded_blocks(
+        B * S // parts, config.moe.experts_per_token, config.moe.num_experts, parts, 1.0
+    )
+    assert 1 < tokens <= worst.tokens and 1 < rows < worst.rows  # the usual branch exists
+    real = expert_parallel.padded_blocks
+    cases = [((tokens, rows), 0.0), ((tokens - 1, rows), 1.0), ((tokens, rows - 1), 1.0)]
+    for usual, worst_case in cases:
+        blocks = expert_parallel.Blocks(*usual)
+        monkeypatch.setattr(
+            expert_parallel, "padded_blocks", lambda *a, usual=blocks: (usual, real(*a)[1])
+        )
         out, stats, grads = run(config, random_state(config), *inputs(), mesh=mesh)
-        assert_trees_close(out, out_ref, err_msg=f"{mesh_name} block {block}")
-        assert_trees_close(grads, grads_ref, err_msg=f"{mesh_name} block {block}")
-        assert float(stats["exchange_worst_case"]) == (0.0 if block == busiest else 1.0)
+        assert_trees_close(out, out_ref, err_msg=f"{mesh_name} {blocks}")
+        assert_trees_close(grads, grads_ref, err_msg=f"{mesh_name} {blocks}")
+        assert float(stats["exchange_worst_case"]) == worst_case
+
+
+@pytest.mark.parametrize("num_experts, k, parts", [(4, 2, 2), (8, 3, 2), (8, 2, 4), (6, 4, 3)])
+def test_padded_blocks_expect_the_share_of_tokens_reaching_a_peer(num_experts, k, parts):
+    """The usual block is factor × N × the share of the C(E, k) choices of k distinct experts
+    that include one of a given peer's E/P (counted here), capped by the worst case."""
+    local = num_experts // parts
+    choices = list(itertools.combinations(range(num_experts), k))
+    share = sum(any(e < local for e in c) for c in choices) / len(choices)
+    tokens = 1000
+    for factor in (0.5, 1.0, 1.25, 4.0):
+        usual, worst = expert_parallel.padded_blocks(tokens, k, num_experts, parts, factor)
+        assert worst == (tokens, parts * tokens * min(k, local))
+        assert usual.tokens == min(tokens, math.ceil(factor * tokens * share - 1e-9))
+        assert usual.rows == min(
+            parts * usual.tokens * min(k, local), math.ceil(factor * tokens * k)
+        )
 
 
 @pytest.mark.slow
