@@ -227,17 +227,18 @@ def _routed_on_device(
         routed, dropped, beside = on_device(sorted_through(ffn))
     elif exchange == "padded" and dispatch == "dropless":
         usual, worst = padded_blocks(num_tokens, k, local_experts * parts, parts, exchange_factor)
-        fits = _blocks_fit(chosen, local_experts, usual, token_axes)
+        owned_by = _owned_by(chosen, local_experts)
+        fits = _blocks_fit(owned_by, usual, token_axes)
         worst_case = 1.0 - fits.astype(jnp.float32)
-
-        def padded(blocks: Blocks):
-            return on_device(
-                functools.partial(
-                    _padded_round_trip, ffn=ffn, local_experts=local_experts, blocks=blocks
-                )
-            )
-
-        routed, dropped, beside = _padded_branches(padded, usual, worst, fits)
+        round_trip = functools.partial(
+            _padded_round_trip, visits=owned_by.any(1), ffn=ffn, local_experts=local_experts
+        )
+        routed, dropped, beside = _padded_branches(
+            lambda blocks: on_device(functools.partial(round_trip, blocks=blocks)),
+            usual,
+            worst,
+            fits,
+        )
     else:
         worst = num_tokens * min(k, local_experts)  # the most rows a device can send one peer
         ragged = functools.partial(
@@ -271,19 +272,17 @@ def _padded_branches(padded, usual: Blocks, worst: Blocks, fits: jax.Array):
     return jax.lax.cond(fits, lambda: padded(usual), jax.checkpoint(lambda: padded(worst)))
 
 
-def _peers_visited(chosen: jax.Array, local_experts: int) -> jax.Array:
-    """[N, k] expert ids -> [N, P] bool: whether the token has a chosen expert on device p."""
-    parts = jax.lax.axis_size(EXPERT_AXIS)
+def _owned_by(chosen: jax.Array, local_experts: int) -> jax.Array:
+    """[N, k] expert ids -> [N, k, P] bool: whether choice j of token t is on device p."""
     owner = chosen // local_experts
-    return (owner[:, :, None] == jnp.arange(parts, dtype=owner.dtype)).any(1)
+    return owner[:, :, None] == jnp.arange(jax.lax.axis_size(EXPERT_AXIS), dtype=owner.dtype)
 
 
-def _blocks_fit(chosen, local_experts: int, blocks: Blocks, token_axes) -> jax.Array:
+def _blocks_fit(owned_by: jax.Array, blocks: Blocks, token_axes) -> jax.Array:
     """Whether no device sends any peer more than blocks.tokens tokens, nor receives more than
-    blocks.rows rows (bool, the same on every device)."""
-    parts = jax.lax.axis_size(EXPERT_AXIS)
-    tokens_per_peer = _peers_visited(chosen, local_experts).sum(0, dtype=jnp.int32)
-    rows_per_peer = jnp.zeros((parts,), jnp.int32).at[chosen.reshape(-1) // local_experts].add(1)
+    blocks.rows rows (bool, the same on every device). owned_by: `_owned_by`'s [N, k, P]."""
+    tokens_per_peer = owned_by.any(1).sum(0, dtype=jnp.int32)
+    rows_per_peer = owned_by.sum((0, 1), dtype=jnp.int32)
     rows_received = jax.lax.psum(rows_per_peer, EXPERT_AXIS)  # [P]: by each device of my group
     overflow = (tokens_per_peer.max() > blocks.tokens) | (rows_received.max() > blocks.rows)
     return jax.lax.pmax(overflow.astype(jnp.int32), token_axes) == 0
@@ -360,12 +359,14 @@ def _padded_round_trip(
     chosen: jax.Array,
     weights: jax.Array,
     *,
+    visits: jax.Array,
     ffn: ExpertFFN,
     local_experts: int,
     blocks: Blocks,
 ) -> tuple[jax.Array, jax.Array]:
     """[N, D] tokens, [N, k] expert ids and weights -> (routed output [N, D], 0 rows dropped),
-    each token sent once to each device owning some of its experts (`blocks` must fit).
+    each token sent once to each device owning some of its experts (visits [N, P]: whether it
+    goes to device p; `blocks` must fit).
 
     A visit is a (token, peer) pair, numbered token · P + peer; it takes the next free slot of
     the [P, blocks.tokens] send blocks. Tokens go out and partial sums come back by one gather
@@ -374,7 +375,6 @@ def _padded_round_trip(
     parts, me = jax.lax.axis_size(EXPERT_AXIS), jax.lax.axis_index(EXPERT_AXIS)
     num_tokens, k = chosen.shape
     num_slots = parts * blocks.tokens
-    visits = _peers_visited(chosen, local_experts)  # [N, P]
     slot = jnp.arange(parts, dtype=jnp.int32) * blocks.tokens + jnp.cumsum(visits, 0) - 1
     visit_slot = jnp.where(visits, slot, num_slots).astype(jnp.int32).reshape(-1)  # [N·P]
     slot_visit = inverse_permutation(visit_slot, num_slots)  # [P·T], N·P where empty
