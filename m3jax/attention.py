@@ -107,31 +107,27 @@ class Attention(nnx.Module):
         q = apply_rope(q, inputs.rope_cos, inputs.rope_sin)
         k = apply_rope(k, inputs.rope_cos, inputs.rope_sin)
         if self.indexer is None:
-            out, _ = attention_ops.dense(self.impl, q, k, v, inputs.segment_ids, None)
-            stats = {}
+            out, stats = attention_ops.dense(self.impl, q, k, v, inputs.segment_ids), {}
         else:
             out, stats = self._sparse(x, q, k, v, inputs, mode)
         return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(dtype)), stats
 
     def _sparse(self, x, q, k, v, inputs: AttentionInputs, mode: ForwardMode):
         """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""
-        impl, msa, segment_ids = self.impl, self.msa, inputs.segment_ids
+        msa, segment_ids, positions = self.msa, inputs.segment_ids, inputs.positions
         index_q, index_k = self.indexer(x, inputs)
-        student = (index_q, index_k) if mode.indexer_loss else None
-        blocks = None
-        if not mode.msa_dense or mode.block_recall:
-            blocks = attention_ops.select(
-                impl, msa, index_q, index_k, segment_ids, inputs.positions
-            )
-        if mode.msa_dense:
-            out, kl = attention_ops.dense(impl, q, k, v, segment_ids, student)
-        else:
-            out, kl = attention_ops.sparse(impl, msa, q, k, v, blocks, segment_ids, student)
+        backend = attention_ops.msa_backend(self.impl, msa, q, k, index_q)
+        out, kl, blocks = attention_ops.msa_layer(
+            backend, msa, q, k, v, index_q, index_k, segment_ids, positions,
+            dense_phase=mode.msa_dense,
+            student=(index_q, index_k) if mode.indexer_loss else None,
+            with_blocks=not mode.msa_dense or mode.block_recall,
+        )  # fmt: skip
         valid = segment_ids > 0
         stats = {} if blocks is None else {"blocks": blocks}
         if kl is not None:
             stats["kl"] = _mean_over_tokens(kl, valid)
         if mode.block_recall:
-            hits = attention_ops.recall(impl, msa, q, k, blocks, segment_ids)
+            hits = attention_ops.recall(backend, msa, q, k, blocks, segment_ids, positions)
             stats["recall"] = _mean_over_tokens(hits, valid)
         return out, stats

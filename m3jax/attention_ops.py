@@ -1,76 +1,99 @@
 """The attention computations a layer needs, by implementation (config `attention_impl`).
 
-"reference": the O(S²) `jnp` references in pallas_kernels (exact, readable; tests and short S).
-"xla": query-tiled XLA with memory linear in S (pallas_kernels/*/xla.py), the default.
-Both take the same arrays and return the same things, so the model switches with one field.
+Every MSA backend module implements the signatures that `pallas_kernels/msa/reference.py` owns
+(`top_blocks`, `sparse_attention`, `dense_attention`, `block_recall`), so the model switches with
+one field:
+- "reference": the O(S²) `jnp` references (exact, readable; tests and short S);
+- "xla": query-tiled XLA with memory linear in S (pallas_kernels/*/xla.py);
+- "pallas": the MSA Pallas GPU kernels (pallas_kernels/msa/pallas.py), an error where they
+  cannot run the layer;
+- "auto" (default): "pallas" on GPUs where the kernels apply, else "xla".
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index dim.
 """
+
+from types import ModuleType
 
 import jax
 
 from m3jax.config import MSAConfig
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
+from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
 from pallas_kernels.msa import xla as msa_xla
+from pallas_kernels.msa.reference import Student
 
-Student = tuple[jax.Array, jax.Array] | None  # (index_q [B, S, Hi, Di], index_k [B, S, Di])
+MSA_BACKENDS = {"reference": msa_reference, "xla": msa_xla, "pallas": msa_pallas}
+
+
+def msa_backend(
+    impl: str, msa: MSAConfig, q: jax.Array, k: jax.Array, index_q: jax.Array
+) -> ModuleType:
+    """The module that runs an MSA layer with these operands under `attention_impl=impl`."""
+    if impl != "auto" and impl != "pallas":
+        return MSA_BACKENDS[impl]
+    reason = msa_pallas.unsupported_reason(q, k, index_q, block_size=msa.block_size)
+    if impl == "pallas" and reason:
+        raise ValueError(f"attention_impl='pallas' cannot run this MSA layer: {reason}")
+    return msa_xla if reason else msa_pallas
 
 
 def dense(
-    impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, student: Student
-) -> tuple[jax.Array, jax.Array | None]:
-    """Causal attention within documents -> (out [B, S, H, Dh], indexer KL [B, S, Hi] or None)."""
-    if impl == "xla":
-        return attention_xla.dense_attention(q, k, v, segment_ids, student=student)
-    out = gqa_attention(q, k, v, document_causal_mask(segment_ids)[:, None, None])
-    if student is None:
-        return out, None
-    return out, msa_reference.indexer_kl(q, k, *student, None, segment_ids, block_size=1)
-
-
-def select(
-    impl: str,
-    msa: MSAConfig,
-    index_q: jax.Array,
-    index_k: jax.Array,
-    segment_ids: jax.Array,
-    positions: jax.Array,
+    impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
 ) -> jax.Array:
-    """Top-k key blocks per (query, index head) -> [B, S, Hi, k] int32, -1 = none."""
-    module = msa_xla if impl == "xla" else msa_reference
-    return module.top_blocks(
-        index_q, index_k, segment_ids, positions, block_size=msa.block_size,
-        topk_blocks=msa.topk_blocks, local_blocks=msa.local_blocks,
-    )  # fmt: skip
+    """Causal attention within documents (full-attention layers) -> out [B, S, H, Dh]."""
+    if impl == "reference":
+        return gqa_attention(q, k, v, document_causal_mask(segment_ids)[:, None, None])
+    return attention_xla.dense_attention(q, k, v, segment_ids)[0]
 
 
-def sparse(
-    impl: str,
+def msa_layer(
+    backend: ModuleType,
     msa: MSAConfig,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    blocks: jax.Array,
+    index_q: jax.Array,
+    index_k: jax.Array,
     segment_ids: jax.Array,
+    positions: jax.Array,
+    *,
+    dense_phase: bool,
     student: Student,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Attention over the selected blocks -> (out [B, S, H, Dh], indexer KL [B, S, Hi] or None)."""
-    if impl == "xla":
-        return msa_xla.sparse_attention(
-            q, k, v, blocks, segment_ids, block_size=msa.block_size, student=student
+    with_blocks: bool,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """One MSA layer's attention -> (out [B, S, H, Dh], KL [B, S, Hi] or None, blocks or None).
+
+    dense_phase: the MSA warm-up — attend densely, the KL teacher is the dense distribution. While
+    every query has at most topk_blocks blocks (S <= topk_blocks · block_size) sparse attention is
+    dense attention, so the dense path runs then too. with_blocks: also return the selection
+    [B, S, Hi, k] (always computed when the layer attends sparsely).
+    """
+    sparse = not dense_phase and q.shape[1] > msa.topk_blocks * msa.block_size
+    blocks = None
+    if sparse or with_blocks:
+        blocks = backend.top_blocks(
+            index_q, index_k, segment_ids, positions, block_size=msa.block_size,
+            topk_blocks=msa.topk_blocks, local_blocks=msa.local_blocks,
+        )  # fmt: skip
+    if sparse:
+        out, kl = backend.sparse_attention(
+            q, k, v, blocks, segment_ids, positions, block_size=msa.block_size, student=student
         )
-    out = msa_reference.sparse_attention(q, k, v, blocks, segment_ids, block_size=msa.block_size)
-    if student is None:
-        return out, None
-    kl = msa_reference.indexer_kl(q, k, *student, blocks, segment_ids, block_size=msa.block_size)
-    return out, kl
+    else:
+        out, kl = backend.dense_attention(q, k, v, segment_ids, student=student)
+    return out, kl, blocks
 
 
 def recall(
-    impl: str, msa: MSAConfig, q: jax.Array, k: jax.Array, blocks: jax.Array, segment_ids: jax.Array
+    backend: ModuleType,
+    msa: MSAConfig,
+    q: jax.Array,
+    k: jax.Array,
+    blocks: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
 ) -> jax.Array:
     """Share of the dense teacher's top blocks that the selection kept -> [B, S, K] fp32."""
-    module = msa_xla if impl == "xla" else msa_reference
-    return module.block_recall(q, k, blocks, segment_ids, block_size=msa.block_size)
+    return backend.block_recall(q, k, blocks, segment_ids, positions, block_size=msa.block_size)

@@ -11,7 +11,7 @@ ATTENTION_TYPES = ("full_attention", "minimax_m3_sparse")
 MLP_TYPES = ("dense", "sparse")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "save_dots")
-ATTENTION_IMPLS = ("reference", "xla")
+ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe_dispatch.py
 GROUPED_MATMUL_IMPLS = ("auto", "xla", "mosaic_gpu")  # m3jax/moe_dispatch.grouped_matmul_impl
 EP_EXCHANGES = ("padded", "ragged")  # m3jax/expert_parallel.py, dropless dispatch
@@ -183,8 +183,9 @@ class ModelConfig:
         "float32"  # activation/matmul dtype; params stay float32, norms/softmax/router fp32
     )
     remat: str = "none"  # what the backward pass recomputes per layer: none | full | save_dots
-    # "xla": query-tiled attention and MSA, memory linear in S; "reference": O(S²) jnp (tests)
-    attention_impl: str = "xla"
+    # "auto": the MSA Pallas GPU kernels where they apply, else "xla"; "pallas": the kernels or an
+    # error; "xla": query-tiled attention and MSA, memory linear in S; "reference": O(S²) jnp (tests)
+    attention_impl: str = "auto"
     msa: MSAConfig = MSAConfig()
     moe: MoEConfig = MoEConfig()
     vision: VisionConfig | None = None  # None: a text-only model (no vision tower or projector)

@@ -1,12 +1,17 @@
 """MiniMax Sparse Attention in plain `jnp`: readable, exact, O(S²) memory — for tests and small S.
 
+This module owns the MSA signatures; `xla.py` and the GPU kernels implement the same functions.
 Follows `spec/msa.md` §1 and transformers' `minimax_m3_vl` (spec/m3_architecture.md §3.5), extended
-to packed rows: keys of other documents are invisible to the index scores as well as to attention, and
-local forcing never reaches before the query's document start, so a document that starts at a block
-boundary is selected exactly as if it ran alone.
+to packed rows as MiniMax's own kernels do (their `cu_seqlens` layout): key blocks are counted from
+each document's first token, so block n of a document holds the keys at positions
+[n·block_size, (n+1)·block_size) of that document, wherever the packer put it in the row. A
+document's selection, output and KL therefore do not depend on its offset in the row; one document
+per row starting at slot 0 is exactly transformers' layout. Keys of other documents are invisible
+to the index scores and to attention.
 
-Shapes: B batch, S queries, T keys (= S here), Hi index heads, Di index head dim, H query heads,
-K kv heads (= Hi), Dh head dim. Block size and top-k are `block_size` and `topk_blocks`.
+Block ids are per document (0 = the document's first block); `positions` (0 at each document's
+first token) locate them. Shapes: B batch, S queries, T keys (= S here), Hi index heads, Di index
+head dim, H query heads, K kv heads (= Hi), Dh head dim, k selected blocks per query.
 """
 
 import jax
@@ -14,10 +19,17 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
 
+Student = tuple[jax.Array, jax.Array] | None  # (index_q [B, S, Hi, Di], index_k [B, S, Di])
+
 
 def index_scores(index_q: jax.Array, index_k: jax.Array) -> jax.Array:
     """[B, S, Hi, Di] × [B, T, Di] -> [B, Hi, S, T] fp32 token scores (no scale, no softmax)."""
     return jnp.einsum("bshd,btd->bhst", index_q, index_k, preferred_element_type=jnp.float32)
+
+
+def key_blocks(positions: jax.Array, block_size: int) -> jax.Array:
+    """[B, T] positions -> [B, T] the block of each key within its own document."""
+    return positions // block_size
 
 
 def select_blocks(
@@ -36,61 +48,54 @@ def select_blocks(
       segment_ids: [B, S] document ids (keys and queries share the row).
       positions: [B, S] position within the document (0 at its first token).
     Returns:
-      [B, S, Hi, min(topk_blocks, ceil(T / block_size))] int32 block ids; -1 marks padding (a query
-      with fewer visible blocks than topk_blocks). Only the set of valid ids is meaningful.
+      [B, S, Hi, min(topk_blocks, ceil(T / block_size))] int32 document block ids; -1 marks
+      padding (a query with fewer visible blocks than topk_blocks). Only the set of valid ids is
+      meaningful. Ties go to the lower block id. The local blocks (the query's own and the
+      `local_blocks - 1` before it, never before the document's first) are forced in.
     """
-    batch, num_index_heads, seq, num_keys = scores.shape
+    num_keys = scores.shape[-1]
     num_blocks = -(-num_keys // block_size)
     visible = document_causal_mask(segment_ids)[:, None]  # [B, 1, S, T]
     scores = jnp.where(visible, scores, -jnp.inf)
-    pad = num_blocks * block_size - num_keys
-    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-    block_scores = scores.reshape(batch, num_index_heads, seq, num_blocks, block_size).max(-1)
 
-    slot = jnp.arange(seq)[None, :]
-    own_block = slot // block_size  # [1, S]
-    first_block = jnp.maximum(slot - positions, 0) // block_size  # the document's first block
+    def block_max(row_scores, row_blocks):  # [Hi, S, T], [T] -> [Hi, S, nb]
+        by_key = jnp.moveaxis(row_scores, -1, 0)
+        return jnp.moveaxis(jax.ops.segment_max(by_key, row_blocks, num_blocks), 0, -1)
+
+    block_scores = jax.vmap(block_max)(scores, key_blocks(positions, block_size))
+    own_block = key_blocks(positions, block_size)  # [B, S]
     block_ids = jnp.arange(num_blocks)
-    forced = jnp.zeros((batch, seq, num_blocks), bool)
+    forced = jnp.zeros(own_block.shape + (num_blocks,), bool)
     for offset in range(local_blocks):
-        local = jnp.maximum(own_block - offset, first_block)  # [B, S]
-        forced |= local[..., None] == block_ids
-    block_scores = jnp.where(forced[:, None], jnp.inf, block_scores)
+        forced |= jnp.maximum(own_block - offset, 0)[..., None] == block_ids
+    # A forced block is kept if it holds a visible key (always so when positions start at 0).
+    block_scores = jnp.where(forced[:, None] & (block_scores > -jnp.inf), jnp.inf, block_scores)
 
     values, indices = jax.lax.top_k(block_scores, min(topk_blocks, num_blocks))
     indices = jnp.where(values == -jnp.inf, -1, indices).astype(jnp.int32)
     return indices.transpose(0, 2, 1, 3)
 
 
-def selection_mask(block_indices: jax.Array, num_keys: int, *, block_size: int) -> jax.Array:
-    """[B, S, Hi, k] block ids -> [B, Hi, S, T] bool: key j's block is among the query's selection."""
-    key_block = jnp.arange(num_keys) // block_size
+def selection_mask(block_indices: jax.Array, positions: jax.Array, *, block_size: int) -> jax.Array:
+    """[B, S, Hi, k] block ids -> [B, Hi, S, T] bool: key j's block is among the query's selection.
+
+    Block ids are per document, so the mask is meaningful only together with the document mask
+    (`document_causal_mask`): it marks key j when its block number within its own document matches.
+    """
+    key_block = key_blocks(positions, block_size)[:, None, None, None, :]  # [B, 1, 1, 1, T]
     chosen = (block_indices[..., None] == key_block).any(axis=-2)  # [B, S, Hi, T]
     return chosen.transpose(0, 2, 1, 3)
 
 
-def sparse_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    block_indices: jax.Array,
-    segment_ids: jax.Array,
-    *,
-    block_size: int,
+def attended_keys(
+    block_indices: jax.Array | None, segment_ids: jax.Array, positions: jax.Array, block_size: int
 ) -> jax.Array:
-    """Exact GQA attention of each query over its group's selected blocks, causal, within documents.
-
-    Args:
-      q: [B, S, H, Dh]; k, v: [B, S, K, Dh] with K = Hi; block_indices: [B, S, Hi, k] from
-        `select_blocks`; segment_ids: [B, S].
-    Returns:
-      [B, S, H, Dh].
-    """
-    num_keys = k.shape[1]
-    chosen = selection_mask(block_indices, num_keys, block_size=block_size)  # [B, K, S, T]
-    visible = document_causal_mask(segment_ids)[:, None]  # [B, 1, S, T]
-    mask = (chosen & visible)[:, :, None]  # [B, K, 1, S, T]: shared by the G heads of a group
-    return gqa_attention(q, k, v, mask)
+    """[B, K, S, T] bool: the keys each query attends to — its selected blocks' keys, causal, within
+    its document; every causal key of its document when `block_indices` is None (dense)."""
+    visible = document_causal_mask(segment_ids)[:, None]
+    if block_indices is None:
+        return visible
+    return visible & selection_mask(block_indices, positions, block_size=block_size)
 
 
 def top_blocks(
@@ -103,8 +108,12 @@ def top_blocks(
     topk_blocks: int,
     local_blocks: int,
 ) -> jax.Array:
-    """Selected blocks [B, S, Hi, k] straight from the index projections (see `select_blocks`)."""
-    scores = index_scores(index_q, index_k)
+    """Selected blocks [B, S, Hi, k] straight from the index projections (see `select_blocks`).
+
+    index_q: [B, S, Hi, Di] and index_k: [B, S, Di] after norm and RoPE; segment_ids, positions:
+    [B, S]. No gradient flows through the selection.
+    """
+    scores = index_scores(*jax.lax.stop_gradient((index_q, index_k)))
     return select_blocks(
         scores,
         segment_ids,
@@ -115,38 +124,73 @@ def top_blocks(
     )
 
 
-def indexer_kl(
+def sparse_attention(
     q: jax.Array,
     k: jax.Array,
-    index_q: jax.Array,
-    index_k: jax.Array,
-    block_indices: jax.Array | None,
+    v: jax.Array,
+    block_indices: jax.Array,
     segment_ids: jax.Array,
+    positions: jax.Array,
     *,
     block_size: int,
+    student: Student = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Exact GQA attention of each query over its group's selected blocks, causal, within documents.
+
+    Args:
+      q: [B, S, H, Dh]; k, v: [B, S, K, Dh] with K = Hi; block_indices: [B, S, Hi, k] from
+        `top_blocks`; segment_ids, positions: [B, S].
+      student: (index_q [B, S, Hi, Di], index_k [B, S, Di]) or None: also return the indexer's
+        KL(teacher ‖ student) over the selected keys (`indexer_kl`).
+    Returns:
+      out [B, S, H, Dh], and KL [B, S, Hi] fp32 or None.
+    """
+    attended = attended_keys(block_indices, segment_ids, positions, block_size)
+    out = gqa_attention(q, k, v, attended[:, :, None])  # the G heads of a group share a mask
+    if student is None:
+        return out, None
+    return out, indexer_kl(q, k, *student, attended)
+
+
+def indexer_kl(
+    q: jax.Array, k: jax.Array, index_q: jax.Array, index_k: jax.Array, attended: jax.Array
 ) -> jax.Array:
     """The indexer's training objective per (query, index head), spec/msa.md §2: [B, S, Hi] fp32.
 
-    KL(teacher ‖ student) over the keys the query attends to — its selected blocks, or every causal
-    key of its document when `block_indices` is None (the dense warm-up). Teacher: the main
-    branch's attention probabilities averaged over the G query heads of index head h's group,
-    treated as a constant. Student: softmax of index_q · index_k · Di^-½ over the same keys.
+    KL(teacher ‖ student) over the keys the query attends to (`attended` [B, K, S, T] from
+    `attended_keys`). Teacher: the main branch's attention probabilities averaged over the G query
+    heads of index head h's group, treated as a constant. Student: softmax of
+    index_q · index_k · Di^-½ over the same keys.
     """
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
-    visible = document_causal_mask(segment_ids)[:, None]  # [B, 1, S, T]
-    if block_indices is not None:
-        visible = visible & selection_mask(block_indices, seq, block_size=block_size)
     grouped = q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
     logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32)
     lowest = jnp.finfo(jnp.float32).min
-    logits = jnp.where(visible[:, :, None], logits * head_dim**-0.5, lowest)
+    logits = jnp.where(attended[:, :, None], logits * head_dim**-0.5, lowest)
     teacher = jax.lax.stop_gradient(jax.nn.softmax(logits, axis=-1).mean(axis=2))  # [B, K, S, T]
     student = index_scores(index_q, index_k) * index_q.shape[-1] ** -0.5
-    log_student = jax.nn.log_softmax(jnp.where(visible, student, lowest), axis=-1)
+    log_student = jax.nn.log_softmax(jnp.where(attended, student, lowest), axis=-1)
     terms = jax.scipy.special.xlogy(teacher, teacher) - teacher * log_student
-    terms = jnp.where(visible, terms, 0.0)
+    terms = jnp.where(attended, terms, 0.0)
     return terms.sum(-1).transpose(0, 2, 1)
+
+
+def dense_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    student: Student = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Causal attention within documents (the MSA warm-up, and MSA whenever S <= k·block_size);
+    with a student, also the indexer's KL over every causal key of the query's document."""
+    attended = document_causal_mask(segment_ids)[:, None]
+    out = gqa_attention(q, k, v, attended[:, :, None])
+    if student is None:
+        return out, None
+    return out, indexer_kl(q, k, *student, attended)
 
 
 def block_recall(
@@ -154,6 +198,7 @@ def block_recall(
     k: jax.Array,
     block_indices: jax.Array,
     segment_ids: jax.Array,
+    positions: jax.Array,
     *,
     block_size: int,
 ) -> jax.Array:
@@ -166,10 +211,9 @@ def block_recall(
     logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32)
     logits = jnp.where(visible[:, None, None], logits * head_dim**-0.5, -jnp.inf)
     mass = jax.nn.softmax(logits, axis=-1).mean(axis=2)  # [B, K, S, T]
-    key_block = jnp.arange(seq) // block_size
-    one_hot = key_block[:, None] == jnp.arange(num_blocks)  # [T, nb]
-    block_mass = jnp.einsum("bkst,tn->bksn", mass, one_hot.astype(mass.dtype))
-    seen = jnp.einsum("bst,tn->bsn", visible.astype(jnp.float32), one_hot.astype(jnp.float32)) > 0
+    one_hot = key_blocks(positions, block_size)[..., None] == jnp.arange(num_blocks)  # [B, T, nb]
+    block_mass = jnp.einsum("bkst,btn->bksn", mass, one_hot.astype(mass.dtype))
+    seen = jnp.einsum("bst,btn->bsn", visible.astype(jnp.float32), one_hot.astype(jnp.float32)) > 0
     block_mass = jnp.where(seen[:, None], block_mass, -1.0)
     values, teacher_top = jax.lax.top_k(block_mass, block_indices.shape[-1])  # [B, K, S, k]
     selected = block_indices.transpose(0, 2, 1, 3)  # [B, K, S, k]

@@ -1,18 +1,24 @@
-"""MiniMax Sparse Attention in plain XLA with memory linear in S: the path for every backend until a
-Pallas kernel replaces it, and the reference those kernels are tested against at long S.
+"""MiniMax Sparse Attention in plain XLA with memory linear in S: the path for every backend without
+a kernel, and the reference those kernels are tested against at long S.
 
 Queries go in tiles of `query_tile` under `lax.map`:
 - `top_blocks`: a tile scores all keys with the indexer ([Tq, Hi, T], never [S, T]), takes the
-  block max, forces the local blocks and keeps the top-k blocks per (query, index head);
-- `sparse_attention`: a tile gathers, per (query, kv head), only the key/value blocks its index
+  max over each of its documents' blocks, forces the local blocks and keeps the top-k per
+  (query, index head);
+- `sparse_attention`: a tile gathers, per (query, kv head), only the keys of the blocks its index
   head selected ([Tq, K, k·block, Dh]; the G query heads of a group share the gather), attends over
   them, and optionally computes the indexer's KL to the attention distribution over the same keys;
 - `block_recall`: a diagnostic comparing the selection with the dense teacher's top blocks.
 Tile bodies are rematerialised in the backward pass (`jax.checkpoint`).
 
-Semantics equal `reference.py` (transformers' MSA extended to packed documents).
-Shapes: B batch, S queries (= T keys), H query heads, K kv heads (= Hi index heads), G = H // K,
-Dh head dim, Di index head dim, Tq query tile, k = selected blocks per query.
+Blocks are counted from each document's first token (reference.py). A document starting at slot
+d = a·block + r splits every fixed row block c into keys before slot c·block + r (its document
+block c - a - 1) and the rest (document block c - a); `_document_blocks` reduces the two parts and
+regroups them per query, so no per-key gather is needed to find a query's blocks.
+
+Semantics equal `reference.py`. Shapes: B batch, S queries (= T keys), H query heads, K kv heads
+(= Hi index heads), G = H // K, Dh head dim, Di index head dim, Tq query tile, k = selected blocks
+per query.
 """
 
 import jax
@@ -20,12 +26,41 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.xla import (
     NEG_INF,
+    dense_attention,
     distillation_kl,
     grouped_query_tiles,
     query_tiles,
     untile,
     visible_keys,
 )
+from pallas_kernels.msa.reference import Student
+
+__all__ = ["block_recall", "dense_attention", "sparse_attention", "top_blocks"]
+
+
+def _document_blocks(values, document_start, block_size, reduce, identity):
+    """Reduce per-key values [B, Tq, X, T] over each query's document blocks -> [B, Tq, X, nb].
+
+    values: already `identity` wherever the query cannot see the key (other documents included);
+    document_start: [B, Tq] slot of each query's document's first token.
+    """
+    batch, tile, width, num_keys = values.shape
+    num_blocks = -(-num_keys // block_size)
+    pad = num_blocks * block_size - num_keys
+    values = jnp.pad(values, [(0, 0)] * 3 + [(0, pad)], constant_values=identity)
+    values = values.reshape(batch, tile, width, num_blocks, block_size)
+    shift, residue = jnp.divmod(document_start, block_size)  # [B, Tq]
+    before = jnp.arange(block_size) < residue[..., None, None, None]  # [B, Tq, 1, 1, block]
+    head = reduce(jnp.where(before, values, identity), axis=-1)  # fixed block c -> doc block c-a-1
+    tail = reduce(jnp.where(before, identity, values), axis=-1)  # fixed block c -> doc block c-a
+
+    def at_fixed_block(parts, offset):  # parts[..., n + a + offset] for document block n
+        index = jnp.arange(num_blocks) + (shift + offset)[..., None, None]
+        inside = (index >= 0) & (index < num_blocks)
+        picked = jnp.take_along_axis(parts, jnp.clip(index, 0, num_blocks - 1), axis=-1)
+        return jnp.where(inside, picked, identity)
+
+    return reduce(jnp.stack([at_fixed_block(tail, 0), at_fixed_block(head, 1)]), axis=0)
 
 
 def top_blocks(
@@ -39,16 +74,14 @@ def top_blocks(
     local_blocks: int,
     query_tile: int = 128,
 ) -> jax.Array:
-    """Selected key blocks [B, S, Hi, min(topk_blocks, ceil(S / block_size))] int32, -1 = none.
+    """Selected document blocks [B, S, Hi, min(topk_blocks, ceil(S / block_size))] int32, -1 = none.
 
-    index_q: [B, S, Hi, Di] and index_k: [B, S, Di] after norm and RoPE; segment_ids, positions:
-    [B, S]. Equals `reference.select_blocks(reference.index_scores(index_q, index_k), ...)`.
+    Same arguments and result as `reference.top_blocks`.
     """
     index_q, index_k = jax.lax.stop_gradient((index_q, index_k))
     batch, seq, num_index_heads, _ = index_q.shape
     num_blocks = -(-seq // block_size)
     tile = min(query_tile, seq)
-    pad = num_blocks * block_size - seq
 
     def select_tile(args):
         index, q_tile, segment_tile, position_tile = args
@@ -56,15 +89,15 @@ def top_blocks(
         scores = jnp.einsum("bqhd,btd->bqht", q_tile, index_k, preferred_element_type=jnp.float32)
         visible = visible_keys(slots, segment_tile, segment_ids)
         scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
-        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-        block_scores = scores.reshape(batch, tile, num_index_heads, num_blocks, block_size).max(-1)
-        own_block = slots // block_size  # [Tq]
-        first_block = jnp.maximum(slots - position_tile, 0) // block_size  # [B, Tq]
+        block_scores = _document_blocks(
+            scores, slots - position_tile, block_size, jnp.max, -jnp.inf
+        )  # [B, Tq, Hi, nb]
+        own_block = position_tile // block_size  # [B, Tq]
         forced = jnp.zeros((batch, tile, num_blocks), bool)
         for offset in range(local_blocks):
-            local = jnp.maximum(own_block - offset, first_block)
-            forced |= local[..., None] == jnp.arange(num_blocks)
-        block_scores = jnp.where(forced[:, :, None], jnp.inf, block_scores)
+            forced |= jnp.maximum(own_block - offset, 0)[..., None] == jnp.arange(num_blocks)
+        forced = forced[:, :, None] & (block_scores > -jnp.inf)
+        block_scores = jnp.where(forced, jnp.inf, block_scores)
         values, indices = jax.lax.top_k(block_scores, min(topk_blocks, num_blocks))
         return jnp.where(values == -jnp.inf, -1, indices).astype(jnp.int32)
 
@@ -83,60 +116,44 @@ def sparse_attention(
     v: jax.Array,
     block_indices: jax.Array,
     segment_ids: jax.Array,
+    positions: jax.Array,
     *,
     block_size: int,
-    student: tuple[jax.Array, jax.Array] | None = None,
+    student: Student = None,
     query_tile: int = 64,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Each query head attends over its group's selected blocks, causally, within its document.
 
-    Args:
-      q: [B, S, H, Dh]; k, v: [B, S, K, Dh]; block_indices: [B, S, K, k] from `top_blocks`;
-      segment_ids: [B, S].
-      student: (index_q [B, S, Hi, Di], index_k [B, S, Di]) or None: also return the indexer's
-        KL(teacher ‖ student) over the selected keys (spec/msa.md §2), teacher = the attention
-        probabilities averaged over the group's G heads (stop_gradient), student = softmax of
-        index scores · Di^-½ over the same keys.
-    Returns:
-      out [B, S, H, Dh], and KL [B, S, Hi] fp32 or None.
+    Same arguments and results as `reference.sparse_attention`.
     """
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
-    num_blocks = -(-seq // block_size)
     tile = min(query_tile, seq)
-    pad = num_blocks * block_size - seq
-
-    def blocks(x, fill=0):  # [B, S, ...] -> [B, nb, block, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return x.reshape(batch, num_blocks, block_size, *x.shape[2:])
-
-    k_blocks, v_blocks = blocks(k), blocks(v)  # [B, nb, block, K, Dh]
-    segment_blocks = blocks(segment_ids, fill=-2)  # key padding matches no query
-    index_k_blocks = None if student is None else blocks(student[1])  # [B, nb, block, Di]
-    batch_ids = jnp.arange(batch)[:, None, None, None]
-    head_ids = jnp.arange(num_kv_heads)[None, None, :, None]
+    batch_ids = jnp.arange(batch)[:, None, None, None, None]
+    head_ids = jnp.arange(num_kv_heads)[None, None, :, None, None]
 
     def attend_tile(args):
-        index, q_tile, segment_tile, indices, student_q = args
+        index, q_tile, segment_tile, position_tile, indices, student_q = args
         slots = index * tile + jnp.arange(tile)
-        safe = jnp.maximum(indices, 0)  # [B, Tq, K, k]
-        keys = k_blocks[batch_ids, safe, :, head_ids]  # [B, Tq, K, k, block, Dh]
-        values = v_blocks[batch_ids, safe, :, head_ids]
-        key_slots = safe[..., None] * block_size + jnp.arange(block_size)  # [B, Tq, K, k, block]
+        starts = (slots - position_tile)[..., None, None] + jnp.maximum(indices, 0) * block_size
+        key_slots = starts[..., None] + jnp.arange(block_size)  # [B, Tq, K, k, block]
+        inside = (key_slots >= 0) & (key_slots < seq)
+        safe = jnp.clip(key_slots, 0, seq - 1)
         visible = (
             (indices[..., None] >= 0)
+            & inside
             & (key_slots <= slots[None, :, None, None, None])
-            & (segment_blocks[batch_ids, safe] == segment_tile[:, :, None, None, None])
+            & (segment_ids[batch_ids, safe] == segment_tile[:, :, None, None, None])
         ).reshape(batch, tile, num_kv_heads, -1)  # [B, Tq, K, n = k·block]
-        keys = keys.reshape(batch, tile, num_kv_heads, -1, head_dim)
-        values = values.reshape(batch, tile, num_kv_heads, -1, head_dim)
+        keys = k[batch_ids, safe, head_ids].reshape(batch, tile, num_kv_heads, -1, head_dim)
+        values = v[batch_ids, safe, head_ids].reshape(batch, tile, num_kv_heads, -1, head_dim)
         logits = jnp.einsum("bqkgd,bqknd->bqkgn", q_tile, keys, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, :, None], logits * head_dim**-0.5, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1)
         out = jnp.einsum("bqkgn,bqknd->bqkgd", probs.astype(v.dtype), values)
         if student is None:
             return out, None
-        index_keys = index_k_blocks[batch_ids, safe].reshape(
+        index_keys = student[1][batch_ids, safe].reshape(
             batch, tile, num_kv_heads, -1, student_q.shape[-1]
         )
         student_logits = (
@@ -151,6 +168,7 @@ def sparse_attention(
         jnp.arange(-(-seq // tile)),
         grouped_query_tiles(q, num_kv_heads, tile),
         query_tiles(segment_ids, tile, fill=-1),
+        query_tiles(positions, tile),
         query_tiles(block_indices, tile, fill=-1),
         None if student is None else query_tiles(student[0], tile),
     )
@@ -164,6 +182,7 @@ def block_recall(
     k: jax.Array,
     block_indices: jax.Array,
     segment_ids: jax.Array,
+    positions: jax.Array,
     *,
     block_size: int,
     query_tile: int = 64,
@@ -171,29 +190,28 @@ def block_recall(
     """Fraction of the dense teacher's top blocks that the selection contains, [B, S, K] fp32.
 
     The teacher's block mass is the dense attention probability (averaged over the group's heads)
-    summed per key block; its top min(k, visible blocks) blocks are compared with the selected set.
-    A diagnostic (no gradient): 1.0 means the indexer picked exactly the blocks attention wanted.
+    summed per document block; its top min(k, visible blocks) blocks are compared with the
+    selected set. A diagnostic (no gradient): 1.0 means the indexer picked exactly the blocks
+    attention wanted.
     """
     q, k = jax.lax.stop_gradient((q, k))
     batch, seq, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    num_blocks = -(-seq // block_size)
     topk = block_indices.shape[-1]
+    num_kv_heads = k.shape[2]
     tile = min(query_tile, seq)
-    pad = num_blocks * block_size - seq
 
     def recall_tile(args):
-        index, q_tile, segment_tile, indices = args
+        index, q_tile, segment_tile, position_tile, indices = args
         slots = index * tile + jnp.arange(tile)
         visible = visible_keys(slots, segment_tile, segment_ids)
         logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
         mass = jax.nn.softmax(logits, axis=-1).mean(axis=3)  # [B, Tq, K, T]
-        mass = jnp.pad(jnp.where(visible[:, :, None], mass, 0.0), [(0, 0)] * 3 + [(0, pad)])
-        block_mass = mass.reshape(batch, tile, num_kv_heads, num_blocks, block_size).sum(-1)
-        visible = jnp.pad(visible, [(0, 0), (0, 0), (0, pad)])
-        seen = visible.reshape(batch, tile, num_blocks, block_size).any(-1)  # [B, Tq, nb]
-        block_mass = jnp.where(seen[:, :, None], block_mass, -1.0)
+        mass = jnp.where(visible[:, :, None], mass, 0.0)
+        starts = slots - position_tile
+        block_mass = _document_blocks(mass, starts, block_size, jnp.sum, 0.0)
+        seen = _document_blocks(visible[:, :, None], starts, block_size, jnp.any, False)
+        block_mass = jnp.where(seen, block_mass, -1.0)
         values, teacher_top = jax.lax.top_k(block_mass, topk)  # [B, Tq, K, k]
         wanted = values >= 0
         hit = (teacher_top[..., :, None] == indices[..., None, :]).any(-1) & wanted
@@ -203,6 +221,7 @@ def block_recall(
         jnp.arange(-(-seq // tile)),
         grouped_query_tiles(q, num_kv_heads, tile),
         query_tiles(segment_ids, tile, fill=-1),
+        query_tiles(positions, tile),
         query_tiles(block_indices, tile, fill=-1),
     )
     return untile(jax.lax.map(recall_tile, xs), seq)
