@@ -1,79 +1,88 @@
-"""MSA's query-tiled XLA path beside cuDNN dense flash attention, at M3's head layout, on one GPU.
+"""MSA on one GPU beside cuDNN dense flash attention, at M3's head layout: the Pallas kernels (and
+the XLA path) checked, then timed.
 
-    python -m benchmarks.bench_msa [--lengths 32768 131072] [--output results.md]
+    python -m benchmarks.bench_msa [--lengths 32768 131072] [--xla-up-to 32768] [--output f.md]
+        [--tilings rows=64,warps=4 ...]
 
-Per length: cuDNN causal attention (forward; forward+backward) and the XLA MSA layer (selection;
-selection + sparse attention + indexer KL forward; the same with backward into q, k, v and the
-index projections, i.e. one training step's attention work), bf16 inputs, batch 1, 64 query / 4 kv
-heads, head dim 128, 4 index heads of 128, blocks of 128, top-16. Reports the median time, the
-compiled memory (arguments + outputs + temporaries), TFLOP/s by the spec/msa.md §3 cost model and
-the ratio to cuDNN measured in the same run. A correctness check against the O(S²) reference runs
-first at a short length. The last stdout line is JSON.
+Checks first (fresh random inputs, NaN-poisoned memory freed just before each run, so unwritten
+outputs show): the kernels against the O(S²) reference in float32 at a short length, and against
+the XLA path in bfloat16 at a longer one whose row holds two documents, the second starting
+mid-block — selection, output, KL and the gradients of q, k, v and both index projections.
+Then per length: cuDNN causal attention (forward; forward+backward) and each MSA implementation's
+selection, forward (selection + sparse attention + indexer KL) and forward+backward (one training
+step's attention work), bf16, batch 1, 64 query / 4 kv heads, head dim 128, 4 index heads of 128,
+blocks of 128, top-16. Reports the median time, compiled memory, TFLOP/s by the spec/msa.md §3 cost
+model and the ratio to cuDNN measured in the same run. The last stdout line is JSON.
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention.reference import document_causal_mask
-from pallas_kernels.msa import reference, xla
+from pallas_kernels.msa import pallas, reference, xla
 
 HEADS, KV_HEADS, HEAD_DIM, INDEX_DIM, BLOCK, TOPK = 64, 4, 128, 128, 128, 16
-VARIANTS = ("cudnn fwd", "cudnn fwd+bwd", "msa select", "msa fwd", "msa fwd+bwd")
+MSA = dict(block_size=BLOCK, topk_blocks=TOPK, local_blocks=1)
 
 
-def make_inputs(seq: int, dtype=jnp.bfloat16, seed: int = 0):
+def make_inputs(seq: int, dtype=jnp.bfloat16, seed: int = 0, documents: int = 1):
     keys = jax.random.split(jax.random.key(seed), 5)
     normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)  # noqa: E731
+    starts = np.linspace(0, seq, documents + 1).astype(int)[:-1] + np.arange(documents) * 37
+    segments = np.searchsorted(starts, np.arange(seq), side="right").astype(np.int32)
+    positions = np.arange(seq) - starts[segments - 1]
     return dict(
         q=normal(keys[0], (1, seq, HEADS, HEAD_DIM)),
         k=normal(keys[1], (1, seq, KV_HEADS, HEAD_DIM)),
         v=normal(keys[2], (1, seq, KV_HEADS, HEAD_DIM)),
         index_q=normal(keys[3], (1, seq, KV_HEADS, INDEX_DIM)),
         index_k=normal(keys[4], (1, seq, INDEX_DIM)),
-        segment_ids=jnp.ones((1, seq), jnp.int32),
-        positions=jnp.arange(seq, dtype=jnp.int32)[None],
+        segment_ids=jnp.asarray(segments)[None],
+        positions=jnp.asarray(positions, jnp.int32)[None],
     )
 
 
-def msa_layer(q, k, v, index_q, index_k, segment_ids, positions):
-    blocks = xla.top_blocks(index_q, index_k, segment_ids, positions, block_size=BLOCK,
-                            topk_blocks=TOPK, local_blocks=1)  # fmt: skip
-    out, kl = xla.sparse_attention(q, k, v, blocks, segment_ids, block_size=BLOCK,
-                                   student=(index_q, index_k))  # fmt: skip
-    return out, kl
+def msa_layer(module, **kwargs):
+    def layer(q, k, v, index_q, index_k, segment_ids, positions):
+        blocks = module.top_blocks(index_q, index_k, segment_ids, positions, **MSA, **kwargs)
+        return module.sparse_attention(q, k, v, blocks, segment_ids, positions, block_size=BLOCK,
+                                       student=(index_q, index_k), **kwargs)  # fmt: skip
+
+    return layer
 
 
-def functions():
-    def cudnn(q, k, v, **_):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-
-    def cudnn_train(q, k, v, **_):
-        return jax.grad(lambda q, k, v: cudnn(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))(
-            q, k, v
-        )
+def msa_functions(name: str, module, **kwargs) -> dict:
+    layer = msa_layer(module, **kwargs)
 
     def select(index_q, index_k, segment_ids, positions, **_):
-        return xla.top_blocks(index_q, index_k, segment_ids, positions, block_size=BLOCK,
-                              topk_blocks=TOPK, local_blocks=1)  # fmt: skip
+        return module.top_blocks(index_q, index_k, segment_ids, positions, **MSA, **kwargs)
 
-    def msa_forward(**x):
-        return msa_layer(**x)
-
-    def msa_train(q, k, v, index_q, index_k, segment_ids, positions):
+    def train(q, k, v, index_q, index_k, segment_ids, positions):
         def loss(q, k, v, index_q, index_k):
-            out, kl = msa_layer(q, k, v, index_q, index_k, segment_ids, positions)
+            out, kl = layer(q, k, v, index_q, index_k, segment_ids, positions)
             return out.astype(jnp.float32).sum() + kl.sum()
 
         return jax.grad(loss, argnums=range(5))(q, k, v, index_q, index_k)
 
-    return dict(zip(VARIANTS, (cudnn, cudnn_train, select, msa_forward, msa_train)))
+    return {f"{name} select": select, f"{name} fwd": lambda **x: layer(**x),
+            f"{name} fwd+bwd": train}  # fmt: skip
+
+
+def cudnn_functions() -> dict:
+    def cudnn(q, k, v, **_):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    def cudnn_train(q, k, v, **_):
+        loss = lambda q, k, v: cudnn(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    return {"cudnn fwd": cudnn, "cudnn fwd+bwd": cudnn_train}
 
 
 def flops(variant: str, seq: int) -> float:
@@ -81,19 +90,22 @@ def flops(variant: str, seq: int) -> float:
     dense = 2 * HEADS * HEAD_DIM * seq * seq
     indexer = KV_HEADS * INDEX_DIM * seq * seq
     sparse = 4 * HEADS * HEAD_DIM * TOPK * BLOCK * seq
-    return {
-        "cudnn fwd": dense,
-        "cudnn fwd+bwd": 3.5 * dense,  # backward ≈ 2.5× forward (FlashAttention-2 convention)
-        "msa select": indexer,
-        "msa fwd": indexer + sparse + KV_HEADS * INDEX_DIM * TOPK * BLOCK * seq * 2,
-        "msa fwd+bwd": indexer + 3.5 * sparse + 3 * KV_HEADS * INDEX_DIM * TOPK * BLOCK * seq * 2,
-    }[variant]
+    student = 2 * KV_HEADS * INDEX_DIM * TOPK * BLOCK * seq
+    phase = variant.split()[-1]
+    if variant.startswith("cudnn"):
+        return dense if phase == "fwd" else 3.5 * dense  # backward ≈ 2.5× forward (FA2 convention)
+    return {"select": indexer, "fwd": indexer + sparse + student,
+            "fwd+bwd": indexer + 3.5 * sparse + 3 * student}[phase]  # fmt: skip
+
+
+def poison_memory(gigabytes: float = 8.0) -> None:
+    """Fill and free device memory with NaN so that an output the kernels fail to write shows."""
+    jax.block_until_ready(jnp.full((int(gigabytes * 2**28),), jnp.nan, jnp.float32)).delete()
 
 
 def time_variant(fn, inputs: dict, repeats: int) -> tuple[float, float]:
     """(median seconds, compiled bytes) after one warm-up call."""
-    jitted = jax.jit(lambda x: fn(**x))
-    compiled = jitted.lower(inputs).compile()
+    compiled = jax.jit(lambda x: fn(**x)).lower(inputs).compile()
     memory = compiled.memory_analysis()
     used = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
     jax.block_until_ready(compiled(inputs))
@@ -105,53 +117,118 @@ def time_variant(fn, inputs: dict, repeats: int) -> tuple[float, float]:
     return float(np.median(times)), float(used)
 
 
-def check_against_reference(seq: int = 4096) -> dict:
-    """Relative error of the XLA MSA layer vs the O(S²) reference, fp32 inputs, on this device."""
-    x = make_inputs(seq, jnp.float32, seed=1)
-    out, kl = jax.jit(lambda x: msa_layer(**x))(x)
-    blocks = reference.top_blocks(x["index_q"], x["index_k"], x["segment_ids"], x["positions"],
-                                  block_size=BLOCK, topk_blocks=TOPK, local_blocks=1)  # fmt: skip
-    expected = reference.sparse_attention(
-        x["q"], x["k"], x["v"], blocks, x["segment_ids"], block_size=BLOCK
-    )
-    expected_kl = reference.indexer_kl(x["q"], x["k"], x["index_q"], x["index_k"], blocks,
-                                       x["segment_ids"], block_size=BLOCK)  # fmt: skip
-    dense = jax.nn.dot_product_attention(
-        x["q"], x["k"], x["v"], mask=document_causal_mask(x["segment_ids"])[:, None]
-    )
-    relative = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
-    return {
-        "seq": seq,
-        "out_rel_err": relative(out, expected),
-        "kl_rel_err": relative(kl, expected_kl),
-        "sparse_vs_dense_rel_diff": relative(out, dense),  # S > k·B: selection active, clearly > 0
-    }
+def relative(a, b) -> float:
+    a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def same_sets(a, b) -> float:
+    """Share of (query, head) rows whose selected block sets agree."""
+    a, b = np.sort(np.asarray(a), -1), np.sort(np.asarray(b), -1)
+    return float((a == b).all(-1).mean())
+
+
+def compare(expected_module, seq: int, dtype, documents: int, config) -> dict:
+    """The kernels on fresh `dtype` inputs vs `expected_module` on the same inputs in float32:
+    selection (same dtype), values and gradients (relative errors); in bfloat16 also the XLA
+    path's own errors, for scale."""
+    x = make_inputs(seq, dtype, seed=seq + documents, documents=documents)
+    x32 = {name: a.astype(jnp.float32) if a.dtype == dtype else a for name, a in x.items()}
+    select = lambda module, x, **kw: jax.jit(lambda x: module.top_blocks(  # noqa: E731
+        x["index_q"], x["index_k"], x["segment_ids"], x["positions"], **MSA, **kw))(x)  # fmt: skip
+    blocks = select(expected_module, x)
+    poison_memory()
+    got = select(pallas, x, config=config)
+    weights = jax.random.normal(jax.random.key(1), x["q"].shape, jnp.float32)
+
+    def loss_and_grads(module, x, **kwargs):
+        def loss(q, k, v, index_q, index_k):
+            out, kl = module.sparse_attention(q, k, v, blocks, x["segment_ids"], x["positions"],
+                                              block_size=BLOCK, student=(index_q, index_k),
+                                              **kwargs)  # fmt: skip
+            return (out.astype(jnp.float32) * weights).sum() + kl.sum(), (out, kl)
+
+        args = [x[name] for name in ("q", "k", "v", "index_q", "index_k")]
+        (_, values), grads = jax.jit(jax.value_and_grad(loss, range(5), has_aux=True))(*args)
+        return (*values, *grads)
+
+    names = ("out", "kl", "dq", "dk", "dv", "d_index_q", "d_index_k")
+    expected = loss_and_grads(expected_module, x32)
+    poison_memory()
+    got_values = loss_and_grads(pallas, x, config=config)
+    result = {"seq": seq, "dtype": jnp.dtype(dtype).name, "documents": documents,
+              "selection_agree": same_sets(got, blocks),
+              "all_finite": all(bool(jnp.isfinite(a).all()) for a in (got, *got_values))}  # fmt: skip
+    result.update({name: relative(g, e) for name, g, e in zip(names, got_values, expected)})
+    if dtype != jnp.float32:
+        xla_values = loss_and_grads(xla, x)
+        result.update({f"xla_{name}": relative(g, e)
+                       for name, g, e in zip(names, xla_values, expected)})  # fmt: skip
+    return result
+
+
+def parse_tiling(text: str) -> pallas.Config:
+    """'rows=64,warps=4,chunks=8,select_rows=64' -> a kernel Config."""
+    fields = dict(item.split("=") for item in text.split(",") if item)
+    attention = dataclasses.replace(
+        pallas.Config().attention,
+        **{name: int(fields[key]) for key, name in (("rows", "rows"), ("warps", "num_warps"),
+           ("stages", "num_stages"), ("chunks", "segment_chunks"),
+           ("programs", "programs_per_core")) if key in fields},
+    )  # fmt: skip
+    selection = dataclasses.replace(
+        pallas.Config().selection,
+        **{name: int(fields[key]) for key, name in (("select_rows", "rows"),
+           ("select_warps", "num_warps"), ("select_stages", "num_stages")) if key in fields},
+    )  # fmt: skip
+    return pallas.Config(attention=attention, selection=selection)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--xla-up-to", type=int, default=32768, help="time the XLA path up to here")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tilings", nargs="*", default=[""], help="kernel configs to time")
+    parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--output", help="also write the markdown section here")
     args = parser.parse_args()
 
-    check = check_against_reference()
-    print("check vs reference:", check, flush=True)
+    configs = {text or "default": parse_tiling(text) for text in args.tilings}
+    checks = []
+    if not args.skip_check:
+        for text, config in configs.items():
+            for expected, seq, dtype, documents in ((reference, 1000, jnp.float32, 2),
+                                                    (xla, 8192 + 77, jnp.bfloat16, 2)):  # fmt: skip
+                try:
+                    check = {"tiling": text, **compare(expected, seq, dtype, documents, config)}
+                except Exception as e:  # a config that does not compile: report, keep going
+                    check = {"tiling": text, "seq": seq, "error": str(e).splitlines()[0][:300]}
+                checks.append(check)
+                print("check:", json.dumps(check), flush=True)
+
     rows, table = [], []
     for seq in args.lengths:
         inputs = make_inputs(seq)
+        variants = dict(cudnn_functions())
+        if seq <= args.xla_up_to:
+            variants.update(msa_functions("xla", xla))
+        for text, config in configs.items():
+            name = "pallas" if len(configs) == 1 else f"pallas[{text}]"
+            variants.update(msa_functions(name, pallas, config=config))
         baseline = {}
-        for variant, fn in functions().items():
+        for variant, fn in variants.items():
             try:
                 seconds, used = time_variant(fn, inputs, args.repeats)
             except Exception as e:  # e.g. out of memory: record it, keep going
-                print(f"{variant} @ {seq}: failed: {str(e).splitlines()[0][:200]}", flush=True)
-                rows.append({"variant": variant, "seq": seq, "error": str(e).splitlines()[0][:200]})
+                message = str(e).splitlines()[0][:300]
+                print(f"{variant} @ {seq}: failed: {message}", flush=True)
+                rows.append({"variant": variant, "seq": seq, "error": message})
                 continue
+            phase = variant.split()[-1]
             if variant.startswith("cudnn"):
-                baseline[variant.split()[1]] = seconds
-            phase = "fwd+bwd" if variant.endswith("bwd") else "fwd"
-            ratio = baseline.get(phase, float("nan")) / seconds
+                baseline[phase] = seconds
+            ratio = baseline.get("fwd" if phase == "select" else phase, float("nan")) / seconds
             row = {"variant": variant, "seq": seq, "ms": seconds * 1e3, "memory_gb": used / 1e9,
                    "tflops": flops(variant, seq) / seconds / 1e12, "speedup_vs_cudnn": ratio}  # fmt: skip
             rows.append(row)
@@ -160,18 +237,14 @@ def main() -> None:
             table.append(line)
             print(line, flush=True)
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     header = [
-        f"## MSA XLA path vs cuDNN dense — {datetime.date.today()}, commit {commit or 'unknown'}",
+        f"## MSA kernels vs cuDNN dense — {datetime.date.today()}",
         "",
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; batch 1, {HEADS} q / {KV_HEADS} kv heads, "
-        f"head dim {HEAD_DIM}, index {KV_HEADS}×{INDEX_DIM}, block {BLOCK}, top-{TOPK}, bf16; median of "
-        f"{args.repeats} after a warm-up; memory = compiled arguments + outputs + temporaries; TFLOP/s by "
-        "the spec/msa.md §3 cost model; speedup = cuDNN time (same phase, same run) / this time.",
-        f"Check (fp32, S={check['seq']}): out rel. err {check['out_rel_err']:.1e}, KL rel. err "
-        f"{check['kl_rel_err']:.1e}; sparse vs dense rel. diff {check['sparse_vs_dense_rel_diff']:.2f}.",
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; batch 1, {HEADS} q / {KV_HEADS} kv "
+        f"heads, head dim {HEAD_DIM}, index {KV_HEADS}×{INDEX_DIM}, block {BLOCK}, top-{TOPK}, "
+        f"bf16; median of {args.repeats} after a warm-up; memory = compiled arguments + outputs + "
+        "temporaries; TFLOP/s by the spec/msa.md §3 cost model; vs cuDNN = cuDNN's time (same "
+        "phase, same run; `select` against the forward) / this time.",
         "",
         "| variant | S | ms | memory GB | TFLOP/s | vs cuDNN |",
         "|---|---|---|---|---|---|",
@@ -180,8 +253,8 @@ def main() -> None:
     print("\n" + section)
     if args.output:
         with open(args.output, "w") as f:
-            f.write(section)
-    print(json.dumps({"check": check, "rows": rows}))
+            f.write(section + "\nChecks:\n" + "\n".join(json.dumps(c) for c in checks) + "\n")
+    print(json.dumps({"checks": checks, "rows": rows}))
 
 
 if __name__ == "__main__":

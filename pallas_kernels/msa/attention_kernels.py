@@ -347,14 +347,26 @@ def forward_pass(
     return outs[0], outs[1] if with_student else None
 
 
+def accumulators(geo: Geometry, with_student: bool) -> tuple[jax.Array, ...]:
+    """Zeroed fp32 buffers that `backward_pass` adds dk, dv (and d(index_k)) into: [B·S·K + block,
+    Dh] (and [B·S + block, Di]); the `block` spare rows past the end absorb out-of-sequence keys,
+    so that no two rows of one atomic add coincide and no mask is needed."""
+    kv_shape = (geo.total_slots * geo.num_kv_heads + geo.block_size, geo.head_dim)
+    sums = (jnp.zeros(kv_shape, jnp.float32), jnp.zeros(kv_shape, jnp.float32))
+    if not with_student:
+        return sums
+    return *sums, jnp.zeros((geo.total_slots + geo.block_size, geo.index_dim), jnp.float32)
+
+
 def backward_pass(
     geo, tiling, lists, offset, q, k, v, segment_ids, lse, delta, d_out, student, lse_z, d_kl,
-    *, interpret=False,
+    sums, *, interpret=False,
 ):  # fmt: skip
     """Gradients: per-entry shares of dq [E·G, Dh] (q's dtype) and d(index_q) [E, Di] fp32, and
-    dk, dv [B·S·K, Dh], d(index_k) [B·S, Di] fp32 summed over all entries.
+    `sums` (from `accumulators`, updated in place) plus this window's dk, dv and d(index_k).
 
     delta: [B·W·H] Σ_d dO·O per (query, head); d_out: [B·W·H, Dh]; d_kl: [B·W·K] or None.
+    Returns (dq shares, d(index_q) shares or None, updated sums).
     """
     with_student = student is not None
 
@@ -362,9 +374,11 @@ def backward_pass(
         (keys, entries, starts, sizes, count, offset_ref, q_ref, k_ref, v_ref, seg_ref, lse_ref,
          delta_ref, do_ref) = refs[:13]  # fmt: skip
         iq_ref, ik_ref, lse_z_ref, dkl_ref = refs[13:17] if with_student else (None,) * 4
-        # outputs last (the aliased zero buffers before them are the same memory)
-        dq_ref, dk_ref, dv_ref, *student_outputs = refs[-(5 if with_student else 3) :]
-        diq_ref, dik_ref = student_outputs if with_student else (None, None)
+        # outputs last (the aliased sums before them are the same memory)
+        if with_student:
+            dq_ref, dk_ref, dv_ref, diq_ref, dik_ref = refs[-5:]
+        else:
+            (dq_ref, dk_ref, dv_ref), diq_ref, dik_ref = refs[-3:], None, None
         lists_refs = (keys, entries, starts, sizes, count)
 
         def segment_body(index):
@@ -414,8 +428,6 @@ def backward_pass(
                 return dk, dv, dik
 
             carry = jax.lax.fori_loop(0, seg.num_chunks, chunk_body, carry)
-            # keys outside the sequence go to spare rows past the end, so that no two rows of one
-            # atomic add coincide (and no mask is needed)
             spare = jnp.arange(geo.block_size)
             kv_target = jnp.where(seg.key_inside, kv_rows, geo.total_slots * geo.num_kv_heads + spare)
             _add_rows(dk_ref, kv_target, carry[0])
@@ -426,29 +438,21 @@ def backward_pass(
 
         _for_each_segment(lists_refs, segment_body)
 
-    spare = geo.block_size  # rows past the end that absorb out-of-sequence keys
-    kv_shape = (geo.total_slots * geo.num_kv_heads + spare, geo.head_dim)
-    zeros = [jnp.zeros(kv_shape, jnp.float32)] * 2
-    out_shape = [
-        jax.ShapeDtypeStruct((geo.entries * geo.group, geo.head_dim), q.dtype),
-        jax.ShapeDtypeStruct(kv_shape, jnp.float32),
-        jax.ShapeDtypeStruct(kv_shape, jnp.float32),
-    ]
+    out_shape = [jax.ShapeDtypeStruct((geo.entries * geo.group, geo.head_dim), q.dtype)]
+    out_shape += [jax.ShapeDtypeStruct(sums[0].shape, jnp.float32)] * 2
     args = [*_table(lists), offset, q, k, v, segment_ids, lse, delta, d_out]
     if with_student:
         args += [*student, lse_z, d_kl]
-        index_shape = (geo.total_slots + spare, geo.index_dim)
-        out_shape += [
-            jax.ShapeDtypeStruct((geo.entries, geo.index_dim), jnp.float32),
-            jax.ShapeDtypeStruct(index_shape, jnp.float32),
-        ]
-        zeros.append(jnp.zeros(index_shape, jnp.float32))
-    first_zero = len(args)
-    aliases = {first_zero: 1, first_zero + 1: 2}
+        out_shape.insert(3, jax.ShapeDtypeStruct((geo.entries, geo.index_dim), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct(sums[2].shape, jnp.float32))
+    first = len(args)
+    aliases = {first: 1, first + 1: 2}
     if with_student:
-        aliases[first_zero + 2] = 4
-    outs = _launch(kernel, geo, tiling, out_shape, *args, *zeros, interpret=interpret,
+        aliases[first + 2] = 4
+    outs = _launch(kernel, geo, tiling, out_shape, *args, *sums, interpret=interpret,
                    aliases=aliases)  # fmt: skip
-    dq, dk, dv = outs[0], outs[1][: -spare], outs[2][: -spare]
-    diq, dik = (outs[3], outs[4][: -spare]) if with_student else (None, None)
-    return dq, dk, dv, diq, dik
+    if with_student:
+        dq, dk, dv, diq, dik = outs
+        return dq, diq, (dk, dv, dik)
+    dq, dk, dv = outs
+    return dq, None, (dk, dv)

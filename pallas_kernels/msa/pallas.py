@@ -99,58 +99,50 @@ def sparse_attention(
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Same arguments and results as `reference.sparse_attention`."""
-    reason = unsupported_reason(q, k, q if student is None else student[0],
-                                block_size=block_size, config=config)  # fmt: skip
+    index_q, index_k = (q, None) if student is None else student
+    reason = unsupported_reason(q, k, index_q, block_size=block_size, config=config)
     if reason:
         raise ValueError(f"MSA kernels: {reason}")
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads, topk = k.shape[2], block_indices.shape[-1]
     chunk_queries = config.attention.chunk_queries(num_heads // num_kv_heads)
     per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize
-    window = min(seq, max(chunk_queries, config.partial_bytes // per_query))
-    num_windows = -(-seq // window)
     geo = attention_kernels.Geometry(
-        batch=batch, seq=seq, window=window, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, index_dim=head_dim if student is None else student[0].shape[-1],
-        topk=topk, block_size=block_size, chunk_queries=chunk_queries,
+        batch=batch, seq=seq, window=min(seq, max(chunk_queries, config.partial_bytes // per_query)),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        index_dim=index_q.shape[-1], topk=topk, block_size=block_size, chunk_queries=chunk_queries,
     )  # fmt: skip
-    window_fn = _window_attention(geo, config.attention, _interpret(interpret), student is not None)
+    attention = _attention(geo, config.attention, _interpret(interpret), student is not None)
+    index_q = None if student is None else index_q
+    return attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions)
 
-    def windows(x, fill=0):  # [B, S, ...] -> [num_windows, B, W, ...]
-        pad = num_windows * window - seq
+
+class _Windows:
+    """Queries in windows of W: [B, S, ...] <-> [num_windows, B, W, ...] (the last one padded)."""
+
+    def __init__(self, geo: attention_kernels.Geometry):
+        self.geo, self.count = geo, -(-geo.seq // geo.window)
+        self.offsets = jnp.arange(self.count, dtype=jnp.int32) * geo.window
+
+    def split(self, x, fill=0):
+        geo = self.geo
+        pad = self.count * geo.window - geo.seq
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return jnp.moveaxis(x.reshape(batch, num_windows, window, *x.shape[2:]), 1, 0)
+        return jnp.moveaxis(x.reshape(geo.batch, self.count, geo.window, *x.shape[2:]), 1, 0)
 
-    index_q, index_k = (None, None) if student is None else student
-    offsets = jnp.arange(num_windows, dtype=jnp.int32) * window
-
-    def one_window(args):
-        q_w, blocks_w, positions_w, index_q_w, offset = args
-        return window_fn(q_w, k, v, index_q_w, index_k, blocks_w, segment_ids, positions_w,
-                         offset)  # fmt: skip
-
-    xs = (
-        windows(q),
-        windows(block_indices, fill=-1),
-        windows(positions),
-        None if student is None else windows(index_q),
-        offsets,
-    )
-    out, kl = jax.lax.map(one_window, xs)
-
-    def unwindow(x):
+    def join(self, x):
         x = jnp.moveaxis(x, 0, 1)
-        return x.reshape(batch, num_windows * window, *x.shape[3:])[:, :seq]
-
-    return unwindow(out), None if student is None else unwindow(kl)
+        return x.reshape(self.geo.batch, -1, *x.shape[3:])[:, : self.geo.seq]
 
 
-def _window_attention(geo, tiling, interpret: bool, with_student: bool):
-    """The custom-VJP attention of one window of queries against every key of the row."""
+def _flat(x):  # [B, N, heads, D] -> [B·N·heads, D]
+    return x.reshape(-1, x.shape[-1])
+
+
+def _attention(geo, tiling, interpret: bool, with_student: bool):
+    """The custom-VJP sparse attention of a whole row, computed window by window."""
     kernels = dict(interpret=interpret)
-
-    def flat(x):  # [B, N, heads, D] -> [B·N·heads, D]
-        return x.reshape(-1, x.shape[-1])
+    selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
 
     def lists_of(blocks, positions, offset):
         return block_lists.build(
@@ -158,68 +150,84 @@ def _window_attention(geo, tiling, interpret: bool, with_student: bool):
             chunk_queries=geo.chunk_queries, segment_chunks=tiling.segment_chunks,
         )  # fmt: skip
 
-    def reduce_selections(per_entry, lists, valid, fill):
-        shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
-        by_slot = block_lists.by_selection(per_entry, lists, shape)
-        mask = valid.reshape(*shape, *[1] * (by_slot.ndim - 4))
-        return jnp.where(mask, by_slot, fill)
+    def by_slot(per_entry, lists, valid, fill):  # -> [B, W, K, k, ...], `fill` where invalid
+        values = block_lists.by_selection(per_entry, lists, selection_shape)
+        return jnp.where(valid.reshape(*selection_shape, *[1] * (values.ndim - 4)), values, fill)
 
-    def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, offset):
-        lists = lists_of(blocks, positions, offset)
-        offset_arr = offset.reshape(1).astype(jnp.int32)
-        segments = segment_ids.reshape(-1).astype(jnp.int32)
-        student = (flat(index_q), flat(index_k)) if with_student else None
-        valid = blocks >= 0
+    def forward_window(k, v, index_k, segments, window):
+        q, index_q, blocks, positions, offset = window
+        lists, valid = lists_of(blocks, positions, offset), blocks >= 0
+        student = (_flat(index_q), _flat(index_k)) if with_student else None
+        offset = offset.reshape(1)
         lse_part, lse_z_part = attention_kernels.lse_pass(
-            geo, tiling, lists, offset_arr, flat(q), flat(k), segments, student, **kernels
+            geo, tiling, lists, offset, _flat(q), _flat(k), segments, student, **kernels
         )
-        lse = jax.nn.logsumexp(
-            reduce_selections(lse_part.reshape(-1, geo.group), lists, valid, -jnp.inf), axis=3
-        )  # [B, W, K, G]
+        lse = jax.nn.logsumexp(by_slot(lse_part.reshape(-1, geo.group), lists, valid, -jnp.inf), 3)
         lse_z = None
         if with_student:
-            lse_z = jax.nn.logsumexp(reduce_selections(lse_z_part, lists, valid, -jnp.inf), axis=3)
+            lse_z = jax.nn.logsumexp(by_slot(lse_z_part, lists, valid, -jnp.inf), axis=3)
         share, kl_part = attention_kernels.forward_pass(
-            geo, tiling, lists, offset_arr, flat(q), flat(k), flat(v), segments, lse.reshape(-1),
+            geo, tiling, lists, offset, _flat(q), _flat(k), _flat(v), segments, lse.reshape(-1),
             student, None if lse_z is None else lse_z.reshape(-1), **kernels,
         )  # fmt: skip
-        share = share.reshape(-1, geo.group, geo.head_dim).astype(jnp.float32)
-        out = reduce_selections(share, lists, valid, 0.0).sum(axis=3).astype(q.dtype)
-        out = out.reshape(q.shape)
-        kl = None
-        if with_student:
-            kl = reduce_selections(kl_part, lists, valid, 0.0).sum(axis=3)
-        residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, offset, lists,
-                     lse, lse_z, out)  # fmt: skip
+        share = by_slot(share.reshape(-1, geo.group, geo.head_dim), lists, valid, 0.0)
+        out = share.sum(axis=3, dtype=jnp.float32).astype(q.dtype).reshape(q.shape)
+        kl = by_slot(kl_part, lists, valid, 0.0).sum(axis=3) if with_student else None
+        return out, kl, lse, lse_z
+
+    def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions):
+        windows = _Windows(geo)
+        segments = segment_ids.reshape(-1).astype(jnp.int32)
+        xs = (windows.split(q), windows.split(index_q) if with_student else None,
+              windows.split(blocks, fill=-1), windows.split(positions), windows.offsets)  # fmt: skip
+        out, kl, lse, lse_z = jax.lax.map(
+            lambda window: forward_window(k, v, index_k, segments, window), xs
+        )
+        out, kl = windows.join(out), kl if kl is None else windows.join(kl)
+        residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z)
         return (out, kl), residuals
 
     def backward(residuals, cotangents):
-        (q, k, v, index_q, index_k, blocks, segment_ids, positions, offset, lists, lse, lse_z,
-         out) = residuals  # fmt: skip
+        q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z = residuals
         d_out, d_kl = cotangents
-        delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)
-        student = (flat(index_q), flat(index_k)) if with_student else None
-        dq_part, dk, dv, diq_part, dik = attention_kernels.backward_pass(
-            geo, tiling, lists, offset.reshape(1).astype(jnp.int32), flat(q), flat(k), flat(v),
-            segment_ids.reshape(-1).astype(jnp.int32), lse.reshape(-1), delta.reshape(-1),
-            flat(d_out.astype(q.dtype)), student, None if lse_z is None else lse_z.reshape(-1),
-            None if d_kl is None else d_kl.reshape(-1).astype(jnp.float32), **kernels,
-        )  # fmt: skip
-        valid = blocks >= 0
-        dq_part = dq_part.reshape(-1, geo.group, geo.head_dim).astype(jnp.float32)
-        dq = reduce_selections(dq_part, lists, valid, 0.0).sum(axis=3).reshape(q.shape)
-        grads = [dq.astype(q.dtype), dk.reshape(k.shape).astype(k.dtype),
-                 dv.reshape(v.shape).astype(v.dtype)]  # fmt: skip
-        if with_student:
-            diq = reduce_selections(diq_part, lists, valid, 0.0).sum(axis=3)
-            grads += [diq.astype(index_q.dtype), dik.reshape(index_k.shape).astype(index_k.dtype)]
-        else:
-            grads += [None, None]
-        return (*grads, None, None, None, None)
+        windows = _Windows(geo)
+        segments = segment_ids.reshape(-1).astype(jnp.int32)
+        delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
+
+        def backward_window(sums, window):
+            q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
+            lists, valid = lists_of(blocks, positions, offset), blocks >= 0
+            student = (_flat(index_q), _flat(index_k)) if with_student else None
+            dq_part, diq_part, sums = attention_kernels.backward_pass(
+                geo, tiling, lists, offset.reshape(1), _flat(q), _flat(k), _flat(v), segments,
+                lse.reshape(-1), delta.reshape(-1), _flat(d_out.astype(q.dtype)), student,
+                None if lse_z is None else lse_z.reshape(-1),
+                None if d_kl is None else d_kl.reshape(-1).astype(jnp.float32), sums, **kernels,
+            )  # fmt: skip
+            dq = by_slot(dq_part.reshape(-1, geo.group, geo.head_dim), lists, valid, 0.0)
+            dq = dq.sum(axis=3, dtype=jnp.float32).reshape(q.shape).astype(q.dtype)
+            diq = None
+            if with_student:
+                diq = by_slot(diq_part, lists, valid, 0.0).sum(axis=3).astype(index_q.dtype)
+            return sums, (dq, diq)
+
+        xs = (windows.split(q), windows.split(index_q) if with_student else None,
+              windows.split(blocks, fill=-1), windows.split(positions), windows.offsets,
+              windows.split(d_out), windows.split(delta),
+              windows.split(d_kl) if with_student else None, lse, lse_z)  # fmt: skip
+        sums = attention_kernels.accumulators(geo, with_student)
+        sums, (dq, diq) = jax.lax.scan(backward_window, sums, xs)
+        spare = geo.block_size
+        dk = sums[0][:-spare].reshape(k.shape).astype(k.dtype)
+        dv = sums[1][:-spare].reshape(v.shape).astype(v.dtype)
+        if not with_student:
+            return windows.join(dq), dk, dv, None, None, None, None, None
+        dik = sums[2][:-spare].reshape(index_k.shape).astype(index_k.dtype)
+        return windows.join(dq), dk, dv, windows.join(diq), dik, None, None, None
 
     @jax.custom_vjp
-    def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions, offset):
-        return forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, offset)[0]
+    def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions):
+        return forward(q, k, v, index_q, index_k, blocks, segment_ids, positions)[0]
 
     attention.defvjp(forward, backward)
     return attention
