@@ -27,14 +27,15 @@ from pallas_kernels.msa.xla import block_recall, dense_attention
 
 __all__ = ["block_recall", "dense_attention", "sparse_attention", "top_blocks"]
 
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)  # float32 tiles overflow shared memory on Hopper
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Everything but the shapes that fixes how `sparse_attention` runs."""
 
-    attention: attention_kernels.Tiling = attention_kernels.Tiling()
+    forward: attention_kernels.Tiling = attention_kernels.Tiling(rows=128, num_warps=8)
+    backward: attention_kernels.Tiling = attention_kernels.Tiling(rows=64, num_warps=4)
     selection: selection_kernel.Tiling = selection_kernel.Tiling()
     partial_bytes: int = 4 << 30  # memory for the per-entry output shares of one window
 
@@ -44,18 +45,27 @@ def _power_of_two(n: int) -> bool:
 
 
 def unsupported_reason(
-    q: jax.Array, k: jax.Array, index_q: jax.Array, *, block_size: int, config: Config = Config()
+    q: jax.Array,
+    k: jax.Array,
+    index_q: jax.Array,
+    *,
+    block_size: int,
+    config: Config = Config(),
+    interpret: bool | None = None,
 ) -> str:
-    """Why the kernels can't run a layer with these operands ('' when they can)."""
-    if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
-        return f"dtype {jnp.dtype(q.dtype)} is not one of bfloat16, float16, float32"
+    """Why the kernels can't run a layer with these operands ('' when they can). The interpreter
+    takes any float dtype."""
+    supported = [jnp.dtype(d) for d in SUPPORTED_DTYPES]
+    if not _interpret(interpret) and jnp.dtype(q.dtype) not in supported:
+        return f"dtype {jnp.dtype(q.dtype)} is not bfloat16 or float16"
     sizes = {"head_dim": q.shape[3], "index_head_dim": index_q.shape[3], "block_size": block_size}
     for name, size in sizes.items():
         if not _power_of_two(size):
             return f"{name}={size} is not a power of two >= 16"
-    group, rows = q.shape[2] // k.shape[2], config.attention.rows
-    if rows % group or (rows // group) & (rows // group - 1):
-        return f"attention rows={rows} are not a power-of-two number of queries of G={group} heads"
+    group = q.shape[2] // k.shape[2]
+    for rows in (config.forward.rows, config.backward.rows):
+        if rows % group or (rows // group) & (rows // group - 1):
+            return f"attention rows={rows} are not a power-of-two number of queries of {group} heads"
     if config.selection.rows % index_q.shape[2]:
         return f"selection rows={config.selection.rows} are not whole queries of {index_q.shape[2]} heads"
     return ""
@@ -100,19 +110,20 @@ def sparse_attention(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Same arguments and results as `reference.sparse_attention`."""
     index_q, index_k = (q, None) if student is None else student
-    reason = unsupported_reason(q, k, index_q, block_size=block_size, config=config)
+    reason = unsupported_reason(
+        q, k, index_q, block_size=block_size, config=config, interpret=interpret
+    )
     if reason:
         raise ValueError(f"MSA kernels: {reason}")
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads, topk = k.shape[2], block_indices.shape[-1]
-    chunk_queries = config.attention.chunk_queries(num_heads // num_kv_heads)
     per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize
     geo = attention_kernels.Geometry(
-        batch=batch, seq=seq, window=min(seq, max(chunk_queries, config.partial_bytes // per_query)),
+        batch=batch, seq=seq, window=min(seq, max(128, config.partial_bytes // per_query)),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        index_dim=index_q.shape[-1], topk=topk, block_size=block_size, chunk_queries=chunk_queries,
+        index_dim=index_q.shape[-1], topk=topk, block_size=block_size, chunk_queries=1,
     )  # fmt: skip
-    attention = _attention(geo, config.attention, _interpret(interpret), student is not None)
+    attention = _attention(geo, config, _interpret(interpret), student is not None)
     index_q = None if student is None else index_q
     return attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions)
 
@@ -139,12 +150,17 @@ def _flat(x):  # [B, N, heads, D] -> [B·N·heads, D]
     return x.reshape(-1, x.shape[-1])
 
 
-def _attention(geo, tiling, interpret: bool, with_student: bool):
+def _attention(geo, config: Config, interpret: bool, with_student: bool):
     """The custom-VJP sparse attention of a whole row, computed window by window."""
     kernels = dict(interpret=interpret)
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
+    group = geo.num_heads // geo.num_kv_heads
+    forward_geo, backward_geo = (
+        dataclasses.replace(geo, chunk_queries=tiling.chunk_queries(group))
+        for tiling in (config.forward, config.backward)
+    )
 
-    def lists_of(blocks, positions, offset):
+    def lists_of(geo, tiling, blocks, positions, offset):
         return block_lists.build(
             blocks, positions, offset, seq=geo.seq, block_size=geo.block_size,
             chunk_queries=geo.chunk_queries, segment_chunks=tiling.segment_chunks,
@@ -155,8 +171,9 @@ def _attention(geo, tiling, interpret: bool, with_student: bool):
         return jnp.where(valid.reshape(*selection_shape, *[1] * (values.ndim - 4)), values, fill)
 
     def forward_window(k, v, index_k, segments, window):
+        geo, tiling = forward_geo, config.forward
         q, index_q, blocks, positions, offset = window
-        lists, valid = lists_of(blocks, positions, offset), blocks >= 0
+        lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         student = (_flat(index_q), _flat(index_k)) if with_student else None
         offset = offset.reshape(1)
         lse_part, lse_z_part = attention_kernels.lse_pass(
@@ -195,8 +212,9 @@ def _attention(geo, tiling, interpret: bool, with_student: bool):
         delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
 
         def backward_window(sums, window):
+            geo, tiling = backward_geo, config.backward
             q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
-            lists, valid = lists_of(blocks, positions, offset), blocks >= 0
+            lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
             student = (_flat(index_q), _flat(index_k)) if with_student else None
             dq_part, diq_part, sums = attention_kernels.backward_pass(
                 geo, tiling, lists, offset.reshape(1), _flat(q), _flat(k), _flat(v), segments,

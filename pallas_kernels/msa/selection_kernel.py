@@ -17,6 +17,7 @@ Shapes: B batch, S sequence, Hi index heads, Di index head dim, R rows of a prog
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -99,22 +100,25 @@ def top_blocks(
             forced = (block >= first_forced) & (block <= own)
             return _insert(scores, ids, candidate, block, forced)
 
-        def tile_body(tile, carry):
-            scores, ids, pending = carry
+        def index_logits(tile):  # [R, block] fp32 scores against the tile's keys
             slot = tile * block_size + jnp.arange(block_size)
-            key_inside = slot < seq
             key_row = b * seq + jnp.minimum(slot, seq - 1)
             index_keys = plt.load(
                 ik_ref.at[key_row[:, None], jnp.arange(index_dim)[None, :]],
-                mask=key_inside[:, None], other=0.0,
+                mask=(slot < seq)[:, None], other=0.0,
             )  # fmt: skip
             logits = jax.lax.dot_general(
                 index_queries, index_keys, (((1,), (1,)), ((), ())),
                 preferred_element_type=jnp.float32,
             )  # fmt: skip
+            return slot, key_row, logits
+
+        def tile_body(tile, carry):  # any tile: every mask applies
+            scores, ids, pending = carry
+            slot, key_row, logits = index_logits(tile)
             visible = (
                 inside[:, None]
-                & key_inside[None, :]
+                & (slot < seq)[None, :]
                 & (slot[None, :] <= query[:, None])
                 & (seg_ref[key_row][None, :] == segment[:, None])
             )
@@ -125,10 +129,41 @@ def top_blocks(
             scores, ids = offer(scores, ids, jnp.maximum(pending, closing), block)
             return scores, ids, opening
 
-        pending = jnp.full((tiling.rows,), -jnp.inf, jnp.float32)
-        scores, ids, pending = jax.lax.fori_loop(
-            first_tile, last_tile + 1, tile_body, (scores, ids, pending)
-        )
+        def aligned_body(tile, carry):  # inside one document that starts on a tile boundary
+            scores, ids, pending = carry
+            _, _, logits = index_logits(tile)
+            scores, ids = offer(scores, ids, logits.max(axis=1), first_block(tile))
+            return scores, ids, pending
+
+        def unaligned_body(split, tile, carry):  # inside one document; columns < split close
+            scores, ids, pending = carry  # the block the previous tile opened
+            _, _, logits = index_logits(tile)
+            head = jnp.arange(block_size)[None, :] < split
+            closing = jnp.where(head, logits, -jnp.inf).max(axis=1)
+            opening = jnp.where(head, -jnp.inf, logits).max(axis=1)
+            scores, ids = offer(scores, ids, jnp.maximum(pending, closing), first_block(tile))
+            return scores, ids, opening
+
+        # Tiles that lie inside the one document of all rows and before the first query need no
+        # mask: [interior_start, interior_end). The rest take every mask.
+        doc_start = jnp.where(inside, start, seq).min()
+        one_document = doc_start == jnp.where(inside, start, -1).max()
+        first_query = tile * queries
+        interior_start = jnp.maximum(-(-doc_start // block_size), first_tile)
+        interior_end = jnp.maximum((first_query + 1) // block_size, interior_start)
+        interior_start = jnp.where(one_document, interior_start, first_tile)
+        interior_end = jnp.where(one_document, interior_end, first_tile)
+        residue = doc_start % block_size
+        carry = (scores, ids, jnp.full((tiling.rows,), -jnp.inf, jnp.float32))
+        carry = jax.lax.fori_loop(first_tile, interior_start, tile_body, carry)
+        carry = jax.lax.cond(
+            residue == 0,
+            lambda c: jax.lax.fori_loop(interior_start, interior_end, aligned_body, c),
+            lambda c: jax.lax.fori_loop(interior_start, interior_end,
+                                        functools.partial(unaligned_body, residue), c),
+            carry,
+        )  # fmt: skip
+        scores, ids, pending = jax.lax.fori_loop(interior_end, last_tile + 1, tile_body, carry)
         scores, ids = offer(scores, ids, pending, first_block(last_tile) + 1)
         chosen = jnp.where(scores == -jnp.inf, -1, ids)
         # rows past the sequence get distinct targets past the end (Pallas' interpreter writes
