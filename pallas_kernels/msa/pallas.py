@@ -35,7 +35,9 @@ class Config:
     """Everything but the shapes that fixes how `sparse_attention` runs."""
 
     forward: attention_kernels.Tiling = attention_kernels.Tiling(rows=128, num_warps=8)
-    backward: attention_kernels.Tiling = attention_kernels.Tiling(rows=64, num_warps=4)
+    backward: attention_kernels.Tiling = attention_kernels.Tiling(
+        rows=64, num_warps=4, segment_chunks=64
+    )
     selection: selection_kernel.Tiling = selection_kernel.Tiling()
     partial_bytes: int = 4 << 30  # memory for the per-entry output shares of one window
 
@@ -216,12 +218,14 @@ def _attention(geo, config: Config, interpret: bool, with_student: bool):
             q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
             lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
             student = (_flat(index_q), _flat(index_k)) if with_student else None
-            dq_part, diq_part, sums = attention_kernels.backward_pass(
+            added, totals = sums
+            dq_part, diq_part, added, stored = attention_kernels.backward_pass(
                 geo, tiling, lists, offset.reshape(1), _flat(q), _flat(k), _flat(v), segments,
                 lse.reshape(-1), delta.reshape(-1), _flat(d_out.astype(q.dtype)), student,
                 None if lse_z is None else lse_z.reshape(-1),
-                None if d_kl is None else d_kl.reshape(-1).astype(jnp.float32), sums, **kernels,
+                None if d_kl is None else d_kl.reshape(-1).astype(jnp.float32), added, **kernels,
             )  # fmt: skip
+            sums = added, tuple(total + new for total, new in zip(totals, stored))
             dq = by_slot(dq_part.reshape(-1, geo.group, geo.head_dim), lists, valid, 0.0)
             dq = dq.sum(axis=3, dtype=jnp.float32).reshape(q.shape).astype(q.dtype)
             diq = None
@@ -233,14 +237,15 @@ def _attention(geo, config: Config, interpret: bool, with_student: bool):
               windows.split(blocks, fill=-1), windows.split(positions), windows.offsets,
               windows.split(d_out), windows.split(delta),
               windows.split(d_kl) if with_student else None, lse, lse_z)  # fmt: skip
-        sums = attention_kernels.accumulators(geo, with_student)
-        sums, (dq, diq) = jax.lax.scan(backward_window, sums, xs)
-        spare = geo.block_size
-        dk = sums[0][:-spare].reshape(k.shape).astype(k.dtype)
-        dv = sums[1][:-spare].reshape(v.shape).astype(v.dtype)
+        start = tuple(attention_kernels.accumulators(backward_geo, with_student) for _ in range(2))
+        (added, totals), (dq, diq) = jax.lax.scan(backward_window, start, xs)
+        sums = [(a + t)[: -geo.block_size] for a, t in zip(added, totals)]
+        dk = sums[0].reshape(k.shape).astype(k.dtype)
+        dv = sums[1].reshape(v.shape).astype(v.dtype)
         if not with_student:
             return windows.join(dq), dk, dv, None, None, None, None, None
-        dik = sums[2][:-spare].reshape(index_k.shape).astype(index_k.dtype)
+        dik = sums[2].reshape(*index_k.shape[:2], geo.num_kv_heads, -1).sum(axis=2)
+        dik = dik.astype(index_k.dtype)
         return windows.join(dq), dk, dv, windows.join(diq), dik, None, None, None
 
     @jax.custom_vjp
