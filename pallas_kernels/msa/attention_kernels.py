@@ -43,6 +43,9 @@ class Tiling:
     num_warps: int = 8
     num_stages: int = 2
     programs_per_core: int = 2
+    # programs per key block: the backward's dK/dV/d(index_k) sums of block / key_split keys stay
+    # in registers (the lse and forward passes ignore it)
+    key_split: int = 1
 
     def chunk_queries(self, group: int) -> int:
         if self.rows % group:
@@ -89,7 +92,8 @@ class Geometry:
 class _Segment:
     """Index arithmetic of one segment, traced inside a kernel."""
 
-    def __init__(self, geo: Geometry, lists, offset_ref, seg_ref, index):
+    def __init__(self, geo: Geometry, lists, offset_ref, seg_ref, index, part=0, key_split=1):
+        """Segment `index`; with key_split > 1 only part `part` of the block's keys."""
         keys_ref, _, starts_ref, sizes_ref = lists
         self.geo, self.lists = geo, lists
         self.first = starts_ref[index]
@@ -100,11 +104,16 @@ class _Segment:
         two_s = 2 * geo.seq
         pair = self.key // two_s
         self.batch, self.head = pair // geo.num_kv_heads, pair % geo.num_kv_heads
-        self.key_slots = self.key % two_s - geo.seq + jnp.arange(geo.block_size)  # [block]
+        width = geo.block_size // key_split
+        block_start = self.key % two_s - geo.seq
+        self.key_slots = block_start + part * width + jnp.arange(width)  # [block / key_split]
         self.key_inside = (self.key_slots >= 0) & (self.key_slots < geo.seq)
         self.safe_slots = jnp.clip(self.key_slots, 0, geo.seq - 1)
         self.slot_rows = self.batch * geo.seq + self.safe_slots  # rows of [B·S, ...] arrays
         self.key_segments = seg_ref[self.slot_rows]
+        # the block's own document: that of its first key (always one the choosing queries see)
+        first_slot = jnp.clip(block_start, 0, geo.seq - 1)
+        self.document = seg_ref[self.batch * geo.seq + first_slot]
         self.query_offset = offset_ref[0]
         self.seg_ref = seg_ref
 
@@ -182,31 +191,35 @@ def _logits(geo: Geometry, q, keys, visible):
 
 
 def _teacher(geo: Geometry, probs):
-    """[R, block] globally normalised probabilities -> the group mean [chunk_queries·repeat, block]
+    """[R, keys] globally normalised probabilities -> the group mean [chunk_queries·repeat, keys]
     (each query's row repeated `repeat` times, matching the student rows)."""
-    mean = probs.reshape(geo.chunk_queries, geo.group, geo.block_size).sum(axis=1) / geo.group
-    repeated = jnp.broadcast_to(mean[:, None], (geo.chunk_queries, geo.repeat, geo.block_size))
-    return repeated.reshape(geo.chunk_queries * geo.repeat, geo.block_size)
+    keys = probs.shape[1]
+    mean = probs.reshape(geo.chunk_queries, geo.group, keys).sum(axis=1) / geo.group
+    repeated = jnp.broadcast_to(mean[:, None], (geo.chunk_queries, geo.repeat, keys))
+    return repeated.reshape(geo.chunk_queries * geo.repeat, keys)
 
 
-def _for_each_segment(lists, body):
-    """Persistent loop: program p takes segments p, p + P, ... < num_segments."""
-    num_segments = lists[4][0]
+def _for_each_segment(lists, body, parts=1):
+    """Persistent loop over (segment, part) items: program p takes items p, p + P, ... of
+    num_segments · parts, calling body(segment, part)."""
+    items = lists[4][0] * parts
     program, programs = pl.program_id(0), pl.num_programs(0)
-    trips = jnp.maximum(num_segments - program + programs - 1, 0) // programs
+    trips = jnp.maximum(items - program + programs - 1, 0) // programs
 
     def step(n, carry):
-        body(program + n * programs)
+        item = program + n * programs
+        body(item // parts, item % parts)
         return carry
 
     jax.lax.fori_loop(0, trips, step, 0)
 
 
-def _launch(kernel, geo, tiling, out_shape, *args, interpret, aliases=None):
+def _launch(kernel, name, tiling, out_shape, *args, interpret, aliases=None):
     device = jax.devices()[0]
     cores = device.core_count if device.platform == "gpu" else 3
     return pl.pallas_call(
         kernel,
+        name=name,  # profiles show kernels by this name
         out_shape=out_shape,
         grid=(cores * tiling.programs_per_core,),
         compiler_params=plt.CompilerParams(
@@ -235,7 +248,8 @@ def lse_pass(geo, tiling, lists, offset, q, k, segment_ids, student, *, interpre
         lse_ref, lse_z_ref = refs[-2:] if with_student else (refs[-1], None)
         lists_refs = (keys, entries, starts, sizes, count)
 
-        def segment_body(index):
+        def segment_body(index, part):
+            del part  # whole blocks
             seg = _Segment(geo, lists_refs[:4], offset_ref, seg_ref, index)
             kv_rows = seg.slot_rows * geo.num_kv_heads + seg.head
             keys_block = _load_rows(k_ref, kv_rows, seg.key_inside, geo.head_dim)
@@ -269,7 +283,7 @@ def lse_pass(geo, tiling, lists, offset, q, k, segment_ids, student, *, interpre
     if with_student:
         out_shape.append(jax.ShapeDtypeStruct((geo.entries,), jnp.float32))
         args += list(student)
-    outs = _launch(kernel, geo, tiling, out_shape, *args, interpret=interpret)
+    outs = _launch(kernel, "msa_lse", tiling, out_shape, *args, interpret=interpret)
     return outs[0], outs[1] if with_student else None
 
 
@@ -303,7 +317,8 @@ def forward_pass(
         out_ref, kl_ref = refs[-2:] if with_student else (refs[-1], None)
         lists_refs = (keys, entries, starts, sizes, count)
 
-        def segment_body(index):
+        def segment_body(index, part):
+            del part  # whole blocks
             seg = _Segment(geo, lists_refs[:4], offset_ref, seg_ref, index)
             kv_rows = seg.slot_rows * geo.num_kv_heads + seg.head
             keys_block = _load_rows(k_ref, kv_rows, seg.key_inside, geo.head_dim)
@@ -345,7 +360,7 @@ def forward_pass(
     if with_student:
         out_shape.append(jax.ShapeDtypeStruct((geo.entries,), jnp.float32))
         args += [*student, lse_z]
-    outs = _launch(kernel, geo, tiling, out_shape, *args, interpret=interpret)
+    outs = _launch(kernel, "msa_forward", tiling, out_shape, *args, interpret=interpret)
     return outs[0], outs[1] if with_student else None
 
 
@@ -362,8 +377,9 @@ def backward_pass(
     geo, tiling, lists, offset, q, k, v, segment_ids, lse, delta, d_out, student, lse_z, d_kl,
     sums, *, interpret=False,
 ):  # fmt: skip
-    """Gradients: per-entry shares of dq [E·G, Dh] (q's dtype) and d(index_q) [E, Di] fp32, and
-    this window's dk, dv and d(index_k).
+    """Gradients: per-entry shares of dq [key_split·E·G, Dh] (q's dtype) and d(index_q)
+    [key_split·E, Di] fp32 (one copy per part of a block), and this window's dk, dv and
+    d(index_k).
 
     A block's first segment stores its sums into fresh zeroed buffers (`accumulators`), rows of
     its own document only, so stores of different blocks never meet; the segments that go on
@@ -388,8 +404,8 @@ def backward_pass(
         added, stored = sums_refs[: len(sums_refs) // 2], sums_refs[len(sums_refs) // 2 :]
         lists_refs = (keys, entries, starts, sizes, count)
 
-        def segment_body(index):
-            seg = _Segment(geo, lists_refs[:4], offset_ref, seg_ref, index)
+        def segment_body(index, part):
+            seg = _Segment(geo, lists_refs[:4], offset_ref, seg_ref, index, part, tiling.key_split)
             kv_rows = seg.slot_rows * geo.num_kv_heads + seg.head
             keys_block = _load_rows(k_ref, kv_rows, seg.key_inside, geo.head_dim)
             values_block = _load_rows(v_ref, kv_rows, seg.key_inside, geo.head_dim)
@@ -397,10 +413,11 @@ def backward_pass(
                 _load_rows(ik_ref, seg.slot_rows, seg.key_inside, geo.index_dim)
                 if with_student else None
             )  # fmt: skip
+            keys = geo.block_size // tiling.key_split
             zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
-            carry = (zeros((geo.block_size, geo.head_dim)), zeros((geo.block_size, geo.head_dim)))
+            carry = (zeros((keys, geo.head_dim)), zeros((keys, geo.head_dim)))
             if with_student:
-                carry += (zeros((geo.block_size, geo.index_dim)),)
+                carry += (zeros((keys, geo.index_dim)),)
 
             def chunk_body(chunk, carry):
                 position, valid, query = seg.entries(chunk, geo.group)
@@ -418,7 +435,8 @@ def backward_pass(
                 dk = carry[0] + _matmul(d_logits.astype(dtype), q_rows, ((0,), (0,)))
                 dv = carry[1] + _matmul(probs.astype(dtype), do_rows, ((0,), (0,)))
                 dq = _matmul(d_logits.astype(dtype), keys_block)
-                out_rows = position * geo.group + jnp.arange(geo.rows) % geo.group
+                # each part of a split block has its own copy of the shares (summed later)
+                out_rows = (part * geo.entries + position) * geo.group + jnp.arange(geo.rows) % geo.group
                 _store_rows(dq_ref, out_rows, valid, dq.astype(dq_ref.dtype))
                 if not with_student:
                     return dk, dv
@@ -430,14 +448,14 @@ def backward_pass(
                 student_probs = jnp.where(z > NEG_INF, jnp.exp(z - z_lse[:, None]), 0.0)
                 d_z = (student_probs - _teacher(geo, probs)) * (d_kl * geo.index_dim**-0.5)[:, None]
                 diq = _matmul(d_z.astype(index_keys.dtype), index_keys)
-                _store_rows(diq_ref, s_position, s_valid & _first(geo), diq)
+                _store_rows(diq_ref, part * geo.entries + s_position, s_valid & _first(geo), diq)
                 dik = carry[2] + _matmul(d_z.astype(index_q.dtype), index_q, ((0,), (0,)))
                 return dk, dv, dik
 
             carry = jax.lax.fori_loop(0, seg.num_chunks, chunk_body, carry)
-            spare = jnp.arange(geo.block_size)
+            spare = jnp.arange(keys)
             kv_spare = geo.total_slots * geo.num_kv_heads + spare
-            own = seg.key_inside & (seg.key_segments == seg.key_segments[0])
+            own = seg.key_inside & (seg.key_segments == seg.document)
             # d(index_k) is summed per kv head too (its one key head serves them all), so that
             # blocks of different heads never store into the same rows
             added_rows = jnp.where(seg.key_inside, kv_rows, kv_spare)
@@ -453,18 +471,19 @@ def backward_pass(
                 for ref, value in zip(added, carry):
                     _add_rows(ref, added_rows, value)
 
-        _for_each_segment(lists_refs, segment_body)
+        _for_each_segment(lists_refs, segment_body, tiling.key_split)
 
-    out_shape = [jax.ShapeDtypeStruct((geo.entries * geo.group, geo.head_dim), q.dtype)]
+    parts = tiling.key_split
+    out_shape = [jax.ShapeDtypeStruct((parts * geo.entries * geo.group, geo.head_dim), q.dtype)]
     args = [*_table(lists), offset, q, k, v, segment_ids, lse, delta, d_out]
     if with_student:
         args += [*student, lse_z, d_kl]
-        out_shape.append(jax.ShapeDtypeStruct((geo.entries, geo.index_dim), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((parts * geo.entries, geo.index_dim), jnp.float32))
     buffers = [*sums, *accumulators(geo, with_student)]
     first_buffer, first_output = len(args), len(out_shape)
     out_shape += [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers]
     aliases = {first_buffer + i: first_output + i for i in range(len(buffers))}
-    outs = _launch(kernel, geo, tiling, out_shape, *args, *buffers, interpret=interpret,
+    outs = _launch(kernel, "msa_backward", tiling, out_shape, *args, *buffers, interpret=interpret,
                    aliases=aliases)  # fmt: skip
     sums_out = outs[first_output:]
     half = len(sums_out) // 2

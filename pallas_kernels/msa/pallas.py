@@ -36,7 +36,7 @@ class Config:
 
     forward: attention_kernels.Tiling = attention_kernels.Tiling(rows=128, num_warps=8)
     backward: attention_kernels.Tiling = attention_kernels.Tiling(
-        rows=64, num_warps=4, segment_chunks=64
+        rows=64, num_warps=8, num_stages=3, segment_chunks=64, key_split=2
     )
     selection: selection_kernel.Tiling = selection_kernel.Tiling()
     partial_bytes: int = 4 << 30  # memory for the per-entry output shares of one window
@@ -68,6 +68,8 @@ def unsupported_reason(
     for rows in (config.forward.rows, config.backward.rows):
         if rows % group or (rows // group) & (rows // group - 1):
             return f"attention rows={rows} are not a power-of-two number of queries of {group} heads"
+    if not _power_of_two(block_size // config.backward.key_split):
+        return f"block_size={block_size} / backward key_split={config.backward.key_split} < 16"
     if config.selection.rows % index_q.shape[2]:
         return f"selection rows={config.selection.rows} are not whole queries of {index_q.shape[2]} heads"
     return ""
@@ -119,7 +121,9 @@ def sparse_attention(
         raise ValueError(f"MSA kernels: {reason}")
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads, topk = k.shape[2], block_indices.shape[-1]
-    per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize
+    # per-entry shares of a window: the output's (forward), key_split copies of dq's (backward)
+    copies = max(1, config.backward.key_split)
+    per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize * copies
     geo = attention_kernels.Geometry(
         batch=batch, seq=seq, window=min(seq, max(128, config.partial_bytes // per_query)),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -226,11 +230,15 @@ def _attention(geo, config: Config, interpret: bool, with_student: bool):
                 None if d_kl is None else d_kl.reshape(-1).astype(jnp.float32), added, **kernels,
             )  # fmt: skip
             sums = added, tuple(total + new for total, new in zip(totals, stored))
-            dq = by_slot(dq_part.reshape(-1, geo.group, geo.head_dim), lists, valid, 0.0)
-            dq = dq.sum(axis=3, dtype=jnp.float32).reshape(q.shape).astype(q.dtype)
+            parts = tiling.key_split
+            dq_part = dq_part.reshape(parts, -1, geo.group, geo.head_dim)
+            dq = sum(by_slot(p, lists, valid, 0.0).sum(axis=3, dtype=jnp.float32) for p in dq_part)
+            dq = dq.reshape(q.shape).astype(q.dtype)
             diq = None
             if with_student:
-                diq = by_slot(diq_part, lists, valid, 0.0).sum(axis=3).astype(index_q.dtype)
+                diq_part = diq_part.reshape(parts, -1, geo.index_dim)
+                diq = sum(by_slot(p, lists, valid, 0.0).sum(axis=3) for p in diq_part)
+                diq = diq.astype(index_q.dtype)
             return sums, (dq, diq)
 
         xs = (windows.split(q), windows.split(index_q) if with_student else None,

@@ -175,6 +175,7 @@ def top_blocks(
 
     out = pl.pallas_call(
         kernel,
+        name="msa_select",
         out_shape=jax.ShapeDtypeStruct((batch * seq * num_heads, topk), jnp.int32),
         grid=(num_tiles, batch),
         compiler_params=plt.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),

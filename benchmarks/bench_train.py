@@ -1,0 +1,107 @@
+"""Training-step throughput of a config and its variants on one device, in one process.
+
+    python -m benchmarks.bench_train --config configs/small-gpu.yaml \
+        --variants "" "model.attention_impl=xla" "model.layer_types=[full_attention*12]" [--steps 10]
+
+Each variant is the config with `section.key=value` overrides (space-separated inside one
+argument). A variant's step is `pretrain.train_step.make_train_step` jitted, on synthetic packed
+rows (random tokens; documents of random lengths, so rows hold several), in the MSA sparse phase
+with the indexer loss, as `m3-train` runs after the warm-up. Reports the median step time over
+`--steps` steps after two warm-up steps, tokens/s and the ratio to the first variant measured in
+the same run. The last stdout line is JSON.
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.attention import ForwardMode
+from m3jax.model import functional
+from pretrain.config import load_run_config
+from pretrain.optimizer import learning_rate, make_optimizer
+from pretrain.train_step import init_state, make_train_step
+
+TRAIN = ForwardMode(indexer_loss=True)
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, mean_document: int = 1500):
+    """Packed rows: documents of exponential lengths (mean `mean_document`), positions from 0."""
+    rng = np.random.default_rng(seed)
+    segments = np.zeros((batch, seq), np.int32)
+    positions = np.zeros((batch, seq), np.int32)
+    for row in range(batch):
+        start, document = 0, 1
+        while start < seq:
+            length = max(1, min(seq - start, int(rng.exponential(mean_document))))
+            segments[row, start : start + length] = document
+            positions[row, start : start + length] = np.arange(length)
+            start, document = start + length, document + 1
+    tokens = rng.integers(0, vocab, (batch, seq + 1), dtype=np.int32)
+    return {
+        "tokens": jnp.asarray(tokens[:, :-1]),
+        "targets": jnp.asarray(tokens[:, 1:]),
+        "positions": jnp.asarray(positions),
+        "segment_ids": jnp.asarray(segments),
+        "loss_mask": jnp.ones((batch, seq), jnp.float32),
+    }
+
+
+def time_variant(config_path: str, overrides: list[str], steps: int) -> dict:
+    run = load_run_config(config_path, overrides)
+    model = functional(run.model)
+    optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)
+    step = jax.jit(
+        make_train_step(model, optimizer, learning_rate(run.optimizer, run.train.steps), run),
+        static_argnums=2,
+        donate_argnums=0,
+    )
+    state = init_state(model, optimizer, seed=0)
+    batch = synthetic_batch(run.data.batch_size, run.data.seq_len, run.model.vocab_size)
+    times, losses = [], []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        state, metrics = step(state, batch, TRAIN)
+        losses.append(float(jax.block_until_ready(metrics["loss"])))
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    seconds = float(np.median(times))
+    tokens = run.data.batch_size * run.data.seq_len
+    return {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tokens": tokens,
+            "first_loss": losses[0], "last_loss": losses[-1],
+            "finite": bool(np.isfinite(losses).all())}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--variants", nargs="+", default=[""])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    rows = []
+    for variant in args.variants:
+        try:
+            row = {"variant": variant or "as configured",
+                   **time_variant(args.config, variant.split(), args.steps)}  # fmt: skip
+        except Exception as e:  # e.g. out of memory: record it, keep going
+            row = {"variant": variant or "as configured", "error": str(e).splitlines()[0][:300]}
+        if rows and "tokens_per_s" in row and "tokens_per_s" in rows[0]:
+            row["vs_first"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.config}")
+    print("| variant | step ms | tokens/s | vs first | loss first → last |\n|---|---|---|---|---|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['variant']} | failed: {row['error'][:80]} | | | |")
+            continue
+        print(f"| {row['variant']} | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | "
+              f"{row.get('vs_first', 1.0):.2f}× | {row['first_loss']:.3f} → {row['last_loss']:.3f} |")  # fmt: skip
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
