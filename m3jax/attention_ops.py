@@ -31,8 +31,10 @@ def msa_backend(
     impl: str, msa: MSAConfig, q: jax.Array, k: jax.Array, index_q: jax.Array
 ) -> ModuleType:
     """The module that runs an MSA layer with these operands under `attention_impl=impl`."""
-    if impl != "auto" and impl != "pallas":
+    if impl in ("reference", "xla"):
         return MSA_BACKENDS[impl]
+    if impl == "auto" and jax.default_backend() != "gpu":
+        return msa_xla
     reason = msa_pallas.unsupported_reason(q, k, index_q, block_size=msa.block_size)
     if impl == "pallas" and reason:
         raise ValueError(f"attention_impl='pallas' cannot run this MSA layer: {reason}")

@@ -55,23 +55,26 @@ def unsupported_reason(
     config: Config = Config(),
     interpret: bool | None = None,
 ) -> str:
-    """Why the kernels can't run a layer with these operands ('' when they can). The interpreter
-    takes any float dtype."""
-    supported = [jnp.dtype(d) for d in SUPPORTED_DTYPES]
-    if not _interpret(interpret) and jnp.dtype(q.dtype) not in supported:
-        return f"dtype {jnp.dtype(q.dtype)} is not bfloat16 or float16"
-    sizes = {"head_dim": q.shape[3], "index_head_dim": index_q.shape[3], "block_size": block_size}
-    for name, size in sizes.items():
-        if not _power_of_two(size):
-            return f"{name}={size} is not a power of two >= 16"
-    group = q.shape[2] // k.shape[2]
+    """Why the kernels can't run a layer with these operands ('' when they can). Dtypes and tile
+    sizes (powers of two >= 16) bind the compiled kernels only; the interpreter takes any."""
+    group, index_heads = q.shape[2] // k.shape[2], index_q.shape[2]
     for rows in (config.forward.rows, config.backward.rows):
         if rows % group or (rows // group) & (rows // group - 1):
             return f"attention rows={rows} are not a power-of-two number of queries of {group} heads"
-    if not _power_of_two(block_size // config.backward.key_split):
-        return f"block_size={block_size} / backward key_split={config.backward.key_split} < 16"
-    if config.selection.rows % index_q.shape[2]:
-        return f"selection rows={config.selection.rows} are not whole queries of {index_q.shape[2]} heads"
+    if config.selection.rows % index_heads:
+        return f"selection rows={config.selection.rows} are not whole queries of {index_heads} heads"
+    split = config.backward.key_split
+    if block_size % split:
+        return f"block_size={block_size} does not split into backward key_split={split} parts"
+    if _interpret(interpret):
+        return ""
+    if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+        return f"dtype {jnp.dtype(q.dtype)} is not bfloat16 or float16"
+    sizes = {"head_dim": q.shape[3], "index_head_dim": index_q.shape[3], "block_size": block_size,
+             "block_size / backward key_split": block_size // split}  # fmt: skip
+    for name, size in sizes.items():
+        if not _power_of_two(size):
+            return f"{name}={size} is not a power of two >= 16"
     return ""
 
 

@@ -1,11 +1,12 @@
 """MSA's plain-jnp reference (block selection and sparse attention) on hand-checkable cases.
 
-Why: the MSA kernels will be tested against `pallas_kernels/msa/reference.py`, so the reference's
+Why: the MSA kernels are tested against `pallas_kernels/msa/reference.py`, so the reference's
 own rules must be pinned first, each on a case small enough to check by hand: -1 padding for
 queries with fewer than K visible blocks, block score = max (not mean), local forcing (own block and
 L-1 before it, even when they score lowest), no future block, dense causal attention whenever
-S <= K·B (spec/m3_architecture.md §3.5), and for packed rows, no selection of or attention to another
-document's keys (an m3jax extension, `spec/msa.md` §1).
+S <= K·B (spec/m3_architecture.md §3.5), and for packed rows, blocks counted from each document's
+first token (MiniMax's `cu_seqlens` layout) with no selection of or attention to another
+document's keys (`spec/msa.md` §1).
 
 Layout: scores [B, Hi, S, T]; selections [B, S, Hi, k]; q [B, S, H, Dh]; k, v [B, S, K, Dh].
 """
@@ -135,7 +136,7 @@ def test_select_blocks_heads_choose_independently():
 
 def test_selection_mask_marks_keys_of_selected_blocks():
     ids = jnp.asarray([[[[0, -1]], [[2, 0]], [[-1, -1]]]], jnp.int32)  # [B=1, S=3, Hi=1, k=2]
-    mask = np.asarray(selection_mask(ids, 10, block_size=4))  # blocks: 0-3, 4-7, 8-9
+    mask = np.asarray(selection_mask(ids, jnp.arange(10)[None], block_size=4))  # 0-3, 4-7, 8-9
     assert mask.shape == (1, 1, 3, 10)
     expected = np.zeros((3, 10), bool)
     expected[0, 0:4] = True
@@ -150,7 +151,7 @@ def test_sparse_attention_is_dense_causal_when_seq_fits_in_topk_blocks(seq):
     scores = jnp.asarray(_random_scores(2, seq, seed=7), jnp.float32)[None]
     segments, positions = jnp.ones((1, seq), jnp.int32), jnp.arange(seq)[None]
     ids = select_blocks(scores, segments, positions, block_size=4, topk_blocks=4, local_blocks=1)
-    out = sparse_attention(q, k, v, ids, segments, block_size=4)
+    out, _ = sparse_attention(q, k, v, ids, segments, positions, block_size=4)
     causal = jnp.tril(jnp.ones((seq, seq), bool))
     np.testing.assert_allclose(
         np.asarray(out), np.asarray(gqa_attention(q, k, v, causal)), rtol=1e-6, atol=1e-6
@@ -163,7 +164,10 @@ def test_sparse_attention_matches_explicit_block_mask():
     q, k, v = _qkv(seq, seed=8)
     ids, sets = _select(_random_scores(kv_heads, seq, seed=9), block_size=4, topk_blocks=2)
     out = np.asarray(
-        sparse_attention(q, k, v, jnp.asarray(ids)[None], jnp.ones((1, seq)), block_size=4)
+        sparse_attention(
+            q, k, v, jnp.asarray(ids)[None], jnp.ones((1, seq)), jnp.arange(seq)[None],
+            block_size=4,
+        )[0]
     )
     dropped = 0
     q, k, v = (np.asarray(a[0], np.float64) for a in (q, k, v))
@@ -182,16 +186,17 @@ def test_sparse_attention_matches_explicit_block_mask():
 # --------------------------------------------------------------------------------------------------
 # Packed rows: documents never see each other, in selection or in attention.
 
-# Document 1 fills slots 0-9, document 2 slots 10-23: blocks 0-1 hold only document 1, block 2 is
-# mixed (slots 8-9 | 10-11), blocks 3-5 hold only document 2.
+# Document 1 fills slots 0-9, document 2 slots 10-23. Blocks are counted from each document's first
+# token: document 1 has blocks 0 (slots 0-3), 1 (4-7), 2 (8-9); document 2 has blocks 0 (slots
+# 10-13), 1 (14-17), 2 (18-21), 3 (22-23) — the row's fixed slots 8-11 hold two documents' blocks.
 PACKED_SEGMENTS = np.array([1] * 10 + [2] * 14, np.int32)
 PACKED_POSITIONS = np.concatenate([np.arange(10), np.arange(14)]).astype(np.int32)
 
 
 @pytest.mark.parametrize("local_blocks", [1, 2])
-def test_select_blocks_packed_rows_skip_blocks_of_other_documents(local_blocks):
+def test_select_blocks_packed_rows_never_score_other_documents(local_blocks):
     scores = _random_scores(2, 24, seed=10)
-    scores[:, :, :10] += 100.0  # document 1's keys would win every comparison if they leaked
+    scores[:, 10:, :10] += 100.0  # document 1's keys would win every comparison if they leaked
     _, sets = _select(
         scores,
         block_size=4,
@@ -200,28 +205,33 @@ def test_select_blocks_packed_rows_skip_blocks_of_other_documents(local_blocks):
         segment_ids=PACKED_SEGMENTS,
         positions=PACKED_POSITIONS,
     )
+    _, alone_sets = _select(scores[:, 10:, 10:], block_size=4, topk_blocks=2,
+                                local_blocks=local_blocks)  # fmt: skip
     for h in range(2):
-        for i in range(10, 24):
-            assert not sets[h][i] & {0, 1}, (h, i, sets[h][i])
-            assert i // 4 in sets[h][i]
-        # Document 2's first queries (block 2) have no other visible block: padding, not block 1.
-        assert sets[h][10] == {2}
+        for i in range(14):
+            assert sets[h][10 + i] == alone_sets[h][i], (h, i)
+            assert PACKED_POSITIONS[10 + i] // 4 in sets[h][10 + i]  # its own block, counted in doc 2
+        # Document 2's first queries (its block 0) have no other visible block: padding only.
+        assert sets[h][10] == {0}
 
 
-def test_select_blocks_document_at_block_boundary_selects_as_if_alone():
-    """A document starting at slot 8 (block 2) picks the blocks it picks alone, shifted by 2."""
-    alone = _random_scores(2, 13, seed=11)
-    packed = _random_scores(2, 21, seed=12)
-    packed[:, 8:, 8:] = alone
-    segments = np.array([1] * 8 + [2] * 13, np.int32)
-    positions = np.concatenate([np.arange(8), np.arange(13)]).astype(np.int32)
+@pytest.mark.parametrize("offset", [8, 5, 37])
+def test_select_blocks_document_anywhere_in_the_row_selects_as_if_alone(offset):
+    """A document packed at slot `offset` (on a block boundary or not) picks the blocks it picks
+    alone, with the same ids: blocks are counted from its first token."""
+    length = 13
+    alone = _random_scores(2, length, seed=11)
+    packed = _random_scores(2, offset + length, seed=12)
+    packed[:, offset:, offset:] = alone
+    segments = np.array([1] * offset + [2] * length, np.int32)
+    positions = np.concatenate([np.arange(offset), np.arange(length)]).astype(np.int32)
     for local_blocks in (1, 2):
         kwargs = {"block_size": 4, "topk_blocks": 2, "local_blocks": local_blocks}
         _, packed_sets = _select(packed, segment_ids=segments, positions=positions, **kwargs)
         _, alone_sets = _select(alone, **kwargs)
         for h in range(2):
-            for i in range(13):
-                assert packed_sets[h][8 + i] == {b + 2 for b in alone_sets[h][i]}
+            for i in range(length):
+                assert packed_sets[h][offset + i] == alone_sets[h][i]
 
 
 def test_sparse_attention_packed_rows_do_not_cross_documents():
@@ -238,10 +248,11 @@ def test_sparse_attention_packed_rows_do_not_cross_documents():
         ids = select_blocks(
             scores, segments, positions, block_size=4, topk_blocks=2, local_blocks=1
         )
-        return np.asarray(sparse_attention(q, k, v, ids, segments, block_size=4)), np.asarray(ids)
+        out, _ = sparse_attention(q, k, v, ids, segments, positions, block_size=4)
+        return np.asarray(out), np.asarray(ids)
 
     out, ids = run(k, v, index_k)
-    assert np.any(ids[0, 12:] == 2)  # some document-2 query uses the mixed block 2
+    assert np.any(ids[0, 12:] == 0)  # document-2 queries use its block 0 (slots 10-13)
 
     def noise(a):  # redraws document 1's slots
         return a.at[:, :10].add(jnp.asarray(rng.normal(0, 5, a[:, :10].shape), a.dtype))
@@ -250,6 +261,6 @@ def test_sparse_attention_packed_rows_do_not_cross_documents():
     np.testing.assert_allclose(perturbed[0, 10:], out[0, 10:], rtol=0, atol=1e-6)
     assert not np.allclose(perturbed[0, :10], out[0, :10])  # the perturbation was real
     # And the result is plain attention under the document-causal mask restricted to the selection.
-    chosen = selection_mask(jnp.asarray(ids), seq, block_size=4)
+    chosen = selection_mask(jnp.asarray(ids), positions, block_size=4)
     mask = (chosen & document_causal_mask(segments)[:, None])[:, :, None]
     np.testing.assert_allclose(out, np.asarray(gqa_attention(q, k, v, mask)), rtol=0, atol=1e-6)

@@ -1,0 +1,110 @@
+"""Which MSA backend a layer runs (`model.attention_impl`), and that the model trains the same on
+each: "auto" takes the Pallas kernels on a GPU where they apply and the XLA path elsewhere;
+"pallas" takes the kernels or says why not; the layer runs dense attention whenever every query
+keeps all its blocks (S <= topk_blocks · block_size)."""
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax import attention_ops
+from m3jax.attention import ForwardMode
+from m3jax.config import MSAConfig
+from m3jax.model import functional
+from pallas_kernels.msa import pallas as msa_pallas
+from pallas_kernels.msa import reference as msa_reference
+from pallas_kernels.msa import xla as msa_xla
+from tiny import tiny_run
+
+MSA = MSAConfig(index_heads=2, index_head_dim=32, block_size=32, topk_blocks=2)
+
+
+def operands(dtype=jnp.bfloat16, seq=100):
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (1, seq, 8, 32), dtype)
+    k = jax.random.normal(keys[1], (1, seq, 2, 32), dtype)
+    v = jax.random.normal(keys[2], (1, seq, 2, 32), dtype)
+    index_q = jax.random.normal(keys[3], (1, seq, 2, 32), dtype)
+    index_k = jax.random.normal(keys[4], (1, seq, 32), dtype)
+    return q, k, v, index_q, index_k
+
+
+def test_auto_takes_the_kernels_on_a_gpu_where_they_apply():
+    q, k, _, index_q, _ = operands()
+    assert attention_ops.msa_backend("auto", MSA, q, k, index_q) is msa_xla  # a CPU machine
+    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "gpu"), \
+            mock.patch.object(msa_pallas, "_interpret", lambda interpret: False):  # fmt: skip
+        assert attention_ops.msa_backend("auto", MSA, q, k, index_q) is msa_pallas
+        f32 = q.astype(jnp.float32)  # the compiled kernels take bf16/f16 only
+        assert attention_ops.msa_backend("auto", MSA, f32, k, index_q) is msa_xla
+        with pytest.raises(ValueError, match="attention_impl='pallas'.*float32"):
+            attention_ops.msa_backend("pallas", MSA, f32, k, index_q)
+    assert attention_ops.msa_backend("xla", MSA, q, k, index_q) is msa_xla
+    assert attention_ops.msa_backend("reference", MSA, q, k, index_q) is msa_reference
+
+
+def test_pallas_refuses_a_block_that_does_not_split():
+    q, k, _, index_q, _ = operands(jnp.float32)
+    odd = MSAConfig(index_heads=2, index_head_dim=32, block_size=33, topk_blocks=2)
+    with pytest.raises(ValueError, match="block_size=33"):
+        attention_ops.msa_backend("pallas", odd, q, k, index_q)
+
+
+class CountingBackend:
+    """The XLA backend, counting its sparse-attention calls."""
+
+    sparse_calls = 0
+
+    def __getattr__(self, name):
+        return getattr(msa_xla, name)
+
+    def sparse_attention(self, *args, **kwargs):
+        self.sparse_calls += 1
+        return msa_xla.sparse_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seq, sparse", [(64, False), (100, True)])
+def test_msa_layer_is_dense_attention_while_every_block_is_kept(seq, sparse):
+    q, k, v, index_q, index_k = operands(jnp.float32, seq)
+    segments = jnp.ones((1, seq), jnp.int32)
+    positions = jnp.arange(seq)[None]
+    backend = CountingBackend()
+    out, kl, blocks = attention_ops.msa_layer(
+        backend, MSA, q, k, v, index_q, index_k, segments, positions,
+        dense_phase=False, student=(index_q, index_k), with_blocks=True,
+    )  # fmt: skip
+    assert (backend.sparse_calls > 0) == sparse and blocks.shape == (1, seq, 2, 2)
+    expected = msa_reference.sparse_attention(q, k, v, blocks, segments, positions,
+                                              block_size=32, student=(index_q, index_k))  # fmt: skip
+    np.testing.assert_allclose(out, expected[0], atol=1e-5)
+    np.testing.assert_allclose(kl, expected[1], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_model_loss_and_gradients_equal_with_kernels_and_xla():
+    """The tiny model (MSA selection active) through the Pallas kernels (interpreted) and the XLA
+    path: the same training loss and the same gradient of every parameter."""
+    batch = 2, 48
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 272, batch), jnp.int32)
+    positions = jnp.asarray(np.concatenate([np.arange(20), np.arange(28)])[None].repeat(2, 0))
+    segments = jnp.asarray(np.array([1] * 20 + [2] * 28)[None].repeat(2, 0), jnp.int32)
+    mode = ForwardMode(indexer_loss=True)
+    results = []
+    for impl in ("xla", "pallas"):
+        model = functional(tiny_run(model={"attention_impl": impl}).model)
+        params, buffers = model.init(0)
+
+        def loss(params):
+            logits, stats = model.apply(params, buffers, tokens, positions, segments, mode=mode)
+            kl = sum(s["msa"]["kl"].sum() for s in stats if "msa" in s)
+            return jnp.mean(jax.nn.logsumexp(logits, -1)) + kl
+
+        results.append(jax.value_and_grad(loss)(params))
+    (value_xla, grads_xla), (value_pallas, grads_pallas) = results
+    np.testing.assert_allclose(value_pallas, value_xla, rtol=1e-5)
+    for g, e in zip(jax.tree.leaves(grads_pallas), jax.tree.leaves(grads_xla)):
+        np.testing.assert_allclose(g, e, atol=1e-5)
