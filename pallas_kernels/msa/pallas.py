@@ -127,12 +127,17 @@ def sparse_attention(
     # per-entry shares of a window: the output's (forward), key_split copies of dq's (backward)
     copies = max(1, config.backward.key_split)
     per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize * copies
-    geo = attention_kernels.Geometry(
-        batch=batch, seq=seq, window=min(seq, max(128, config.partial_bytes // per_query)),
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        index_dim=index_q.shape[-1], topk=topk, block_size=block_size, chunk_queries=1,
-    )  # fmt: skip
-    attention = _attention(geo, config, _interpret(interpret), student is not None)
+    forward_geo, backward_geo = (
+        attention_kernels.Geometry(
+            batch=batch, seq=seq, window=min(seq, max(128, config.partial_bytes // per_query)),
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            index_dim=index_q.shape[-1], topk=topk, block_size=block_size,
+            chunk_queries=tiling.chunk_queries(num_heads // num_kv_heads),
+        )  # fmt: skip
+        for tiling in (config.forward, config.backward)
+    )
+    attention = _attention(forward_geo, backward_geo, config, _interpret(interpret),
+                           student is not None)  # fmt: skip
     index_q = None if student is None else index_q
     return attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions)
 
@@ -159,15 +164,12 @@ def _flat(x):  # [B, N, heads, D] -> [B·N·heads, D]
     return x.reshape(-1, x.shape[-1])
 
 
-def _attention(geo, config: Config, interpret: bool, with_student: bool):
-    """The custom-VJP sparse attention of a whole row, computed window by window."""
+def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_student: bool):
+    """The custom-VJP sparse attention of a whole row, computed window by window (the two
+    geometries differ only in their chunks' queries)."""
     kernels = dict(interpret=interpret)
+    geo = forward_geo
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
-    group = geo.num_heads // geo.num_kv_heads
-    forward_geo, backward_geo = (
-        dataclasses.replace(geo, chunk_queries=tiling.chunk_queries(group))
-        for tiling in (config.forward, config.backward)
-    )
 
     def lists_of(geo, tiling, blocks, positions, offset):
         return block_lists.build(

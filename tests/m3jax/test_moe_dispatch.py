@@ -68,8 +68,10 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
     no_routed, _, _ = run(with_moe(config, routed_scaling=0.0), state, x, mask, cotangent)
     np.testing.assert_array_equal(stats["load"], [4, 2])
     np.testing.assert_allclose(float(stats["dropped_fraction"]), 1 / 6)
-    np.testing.assert_allclose(out[0, :5], reference[0, :5], rtol=1e-6)
-    np.testing.assert_allclose(out[0, 5], no_routed[0, 5], rtol=1e-6)  # shared expert only
+    # capacity and dense dispatch sum in different orders: float32 rounding, also near zero
+    close = dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[0, :5], reference[0, :5], **close)
+    np.testing.assert_allclose(out[0, 5], no_routed[0, 5], **close)  # shared expert only
     assert np.abs(np.asarray(out[0, 5] - reference[0, 5])).max() > 1e-2
     # The dropped token sends no gradient to expert 0's weights; a kept one does.
     _, _, grads_without_5 = run(config, state, x, mask, cotangent.at[0, 5].set(0.0))
@@ -80,7 +82,7 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
     larger = with_moe(config, capacity_factor=4 / 3)  # C = 4: nothing drops
     out, stats, _ = run(larger, state, x, mask, cotangent)
     assert float(stats["dropped_fraction"]) == 0.0
-    np.testing.assert_allclose(out, reference, rtol=1e-6)
+    np.testing.assert_allclose(out, reference, **close)
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
