@@ -167,9 +167,13 @@ def compare(expected_module, seq: int, dtype, documents: int, config) -> dict:
     expected = loss_and_grads(expected_module, x32)
     poison_memory()
     got_values = loss_and_grads(pallas, x, config=config)
-    result = {"seq": seq, "dtype": jnp.dtype(dtype).name, "documents": documents,
-              "selection_agree": same_sets(got, blocks),
-              "all_finite": all(bool(jnp.isfinite(a).all()) for a in (got, *got_values))}  # fmt: skip
+    result = {
+        "seq": seq,
+        "dtype": jnp.dtype(dtype).name,
+        "documents": documents,
+        "selection_agree": same_sets(got, blocks),
+        "all_finite": all(bool(jnp.isfinite(a).all()) for a in (got, *got_values)),
+    }
     result.update({name: relative(g, e) for name, g, e in zip(names, got_values, expected)})
     if dtype != jnp.float32:
         xla_values = loss_and_grads(xla, x)
@@ -235,8 +239,14 @@ def main() -> None:
             if variant.startswith("cudnn"):
                 baseline[phase] = seconds
             ratio = baseline.get("fwd" if phase == "select" else phase, float("nan")) / seconds
-            row = {"variant": variant, "seq": seq, "ms": seconds * 1e3, "memory_gb": used / 1e9,
-                   "tflops": flops(variant, seq) / seconds / 1e12, "speedup_vs_cudnn": ratio}  # fmt: skip
+            row = {
+                "variant": variant,
+                "seq": seq,
+                "ms": seconds * 1e3,
+                "memory_gb": used / 1e9,
+                "tflops": flops(variant, seq) / seconds / 1e12,
+                "speedup_vs_cudnn": ratio,
+            }
             rows.append(row)
             line = (f"| {variant} | {seq} | {row['ms']:.1f} | {row['memory_gb']:.2f} | "
                     f"{row['tflops']:.0f} | {ratio:.2f}× |")  # fmt: skip
@@ -244,12 +254,16 @@ def main() -> None:
             print(line, flush=True)
 
     if args.profile:
-        profile(msa_functions("pallas", pallas, config=next(iter(configs.values())))["pallas fwd+bwd"],
-                make_inputs(args.lengths[-1]), args.profile)
+        profile(
+            msa_functions("pallas", pallas, config=next(iter(configs.values())))["pallas fwd+bwd"],
+            make_inputs(args.lengths[-1]),
+            args.profile,
+        )
     header = [
         f"## MSA kernels vs cuDNN dense — {datetime.date.today()}",
         "",
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; batch 1, {HEADS} q / {KV_HEADS} kv "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; batch 1, {HEADS} q / {KV_HEADS} "
+        "kv "
         f"heads, head dim {HEAD_DIM}, index {KV_HEADS}×{INDEX_DIM}, block {BLOCK}, top-{TOPK}, "
         f"bf16; median of {args.repeats} after a warm-up; memory = compiled arguments + outputs + "
         "temporaries; TFLOP/s by the spec/msa.md §3 cost model; vs cuDNN = cuDNN's time (same "

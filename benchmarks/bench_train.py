@@ -1,7 +1,7 @@
 """Training-step throughput of a config and its variants on one device, in one process.
 
     python -m benchmarks.bench_train --config configs/small-gpu.yaml \
-        --variants "" "model.attention_impl=xla" "model.layer_types=[full_attention*12]" [--steps 10]
+        --variants "" "model.attention_impl=xla" "model.layer_types=[full_attention*12]"
 
 Each variant is the config with `section.key=value` overrides (space-separated inside one
 argument). A variant's step is `pretrain.train_step.make_train_step` jitted, on synthetic packed
@@ -98,8 +98,10 @@ def main() -> None:
         if "error" in row:
             print(f"| {row['variant']} | failed: {row['error'][:80]} | | | |")
             continue
-        print(f"| {row['variant']} | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | "
-              f"{row.get('vs_first', 1.0):.2f}× | {row['first_loss']:.3f} → {row['last_loss']:.3f} |")  # fmt: skip
+        print(
+            f"| {row['variant']} | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | "
+            f"{row.get('vs_first', 1.0):.2f}× | {row['first_loss']:.3f} → {row['last_loss']:.3f} |"
+        )
     print(json.dumps(rows))
 
 

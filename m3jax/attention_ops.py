@@ -9,7 +9,8 @@ one field:
   cannot run the layer;
 - "auto" (default): "pallas" on GPUs where the kernels apply, else "xla".
 
-Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index dim.
+Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
+head dim.
 """
 
 from types import ModuleType
@@ -41,9 +42,7 @@ def msa_backend(
     return msa_xla if reason else msa_pallas
 
 
-def dense(
-    impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
-) -> jax.Array:
+def dense(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """Causal attention within documents (full-attention layers) -> out [B, S, H, Dh]."""
     if impl == "reference":
         return gqa_attention(q, k, v, document_causal_mask(segment_ids)[:, None, None])

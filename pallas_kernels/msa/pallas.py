@@ -2,7 +2,8 @@
 
 - `top_blocks`: one kernel (selection_kernel.py) streams the indexer's scores over key tiles and
   keeps each (query, index head)'s top-k document blocks in registers.
-- `sparse_attention`: key-block-major kernels (attention_kernels.py) over the selection inverted
+- `sparse_attention`: key-block-major kernels (forward_kernels.py, backward_kernel.py, chunks.py)
+  over the selection inverted
   by one sort (block_lists.py), forward and backward, with the indexer's KL and its gradients into
   the index projections; a custom VJP ties them together. Queries go in windows of at most
   `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
@@ -21,7 +22,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.msa import attention_kernels, block_lists, selection_kernel
+from pallas_kernels.msa import (
+    backward_kernel,
+    block_lists,
+    chunks,
+    forward_kernels,
+    selection_kernel,
+)
 from pallas_kernels.msa.reference import Student
 from pallas_kernels.msa.xla import block_recall, dense_attention
 
@@ -34,8 +41,8 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)  # float32 tiles overflow shared 
 class Config:
     """Everything but the shapes that fixes how `sparse_attention` runs."""
 
-    forward: attention_kernels.Tiling = attention_kernels.Tiling(rows=128, num_warps=8)
-    backward: attention_kernels.Tiling = attention_kernels.Tiling(
+    forward: chunks.Tiling = chunks.Tiling(rows=128, num_warps=8)
+    backward: chunks.Tiling = chunks.Tiling(
         rows=64, num_warps=8, num_stages=3, segment_chunks=64, key_split=2
     )
     selection: selection_kernel.Tiling = selection_kernel.Tiling()
@@ -60,9 +67,13 @@ def unsupported_reason(
     group, index_heads = q.shape[2] // k.shape[2], index_q.shape[2]
     for rows in (config.forward.rows, config.backward.rows):
         if rows % group or (rows // group) & (rows // group - 1):
-            return f"attention rows={rows} are not a power-of-two number of queries of {group} heads"
+            return (
+                f"attention rows={rows} are not a power-of-two number of queries of {group} heads"
+            )
     if config.selection.rows % index_heads:
-        return f"selection rows={config.selection.rows} are not whole queries of {index_heads} heads"
+        return (
+            f"selection rows={config.selection.rows} are not whole queries of {index_heads} heads"
+        )
     split = config.backward.key_split
     if block_size % split:
         return f"block_size={block_size} does not split into backward key_split={split} parts"
@@ -128,10 +139,16 @@ def sparse_attention(
     copies = max(1, config.backward.key_split)
     per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize * copies
     forward_geo, backward_geo = (
-        attention_kernels.Geometry(
-            batch=batch, seq=seq, window=min(seq, max(128, config.partial_bytes // per_query)),
-            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            index_dim=index_q.shape[-1], topk=topk, block_size=block_size,
+        chunks.Geometry(
+            batch=batch,
+            seq=seq,
+            window=min(seq, max(128, config.partial_bytes // per_query)),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            index_dim=index_q.shape[-1],
+            topk=topk,
+            block_size=block_size,
             chunk_queries=tiling.chunk_queries(num_heads // num_kv_heads),
         )  # fmt: skip
         for tiling in (config.forward, config.backward)
@@ -145,7 +162,7 @@ def sparse_attention(
 class _Windows:
     """Queries in windows of W: [B, S, ...] <-> [num_windows, B, W, ...] (the last one padded)."""
 
-    def __init__(self, geo: attention_kernels.Geometry):
+    def __init__(self, geo: chunks.Geometry):
         self.geo, self.count = geo, -(-geo.seq // geo.window)
         self.offsets = jnp.arange(self.count, dtype=jnp.int32) * geo.window
 
@@ -187,14 +204,14 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         student = (_flat(index_q), _flat(index_k)) if with_student else None
         offset = offset.reshape(1)
-        lse_part, lse_z_part = attention_kernels.lse_pass(
+        lse_part, lse_z_part = forward_kernels.lse_pass(
             geo, tiling, lists, offset, _flat(q), _flat(k), segments, student, **kernels
         )
         lse = jax.nn.logsumexp(by_slot(lse_part.reshape(-1, geo.group), lists, valid, -jnp.inf), 3)
         lse_z = None
         if with_student:
             lse_z = jax.nn.logsumexp(by_slot(lse_z_part, lists, valid, -jnp.inf), axis=3)
-        share, kl_part = attention_kernels.forward_pass(
+        share, kl_part = forward_kernels.forward_pass(
             geo, tiling, lists, offset, _flat(q), _flat(k), _flat(v), segments, lse.reshape(-1),
             student, None if lse_z is None else lse_z.reshape(-1), **kernels,
         )  # fmt: skip
@@ -206,8 +223,13 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions):
         windows = _Windows(geo)
         segments = segment_ids.reshape(-1).astype(jnp.int32)
-        xs = (windows.split(q), windows.split(index_q) if with_student else None,
-              windows.split(blocks, fill=-1), windows.split(positions), windows.offsets)  # fmt: skip
+        xs = (
+            windows.split(q),
+            windows.split(index_q) if with_student else None,
+            windows.split(blocks, fill=-1),
+            windows.split(positions),
+            windows.offsets,
+        )
         out, kl, lse, lse_z = jax.lax.map(
             lambda window: forward_window(k, v, index_k, segments, window), xs
         )
@@ -228,7 +250,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
             student = (_flat(index_q), _flat(index_k)) if with_student else None
             added, totals = sums
-            dq_part, diq_part, added, stored = attention_kernels.backward_pass(
+            dq_part, diq_part, added, stored = backward_kernel.backward_pass(
                 geo, tiling, lists, offset.reshape(1), _flat(q), _flat(k), _flat(v), segments,
                 lse.reshape(-1), delta.reshape(-1), _flat(d_out.astype(q.dtype)), student,
                 None if lse_z is None else lse_z.reshape(-1),
@@ -250,7 +272,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
               windows.split(blocks, fill=-1), windows.split(positions), windows.offsets,
               windows.split(d_out), windows.split(delta),
               windows.split(d_kl) if with_student else None, lse, lse_z)  # fmt: skip
-        start = tuple(attention_kernels.accumulators(backward_geo, with_student) for _ in range(2))
+        start = tuple(backward_kernel.accumulators(backward_geo, with_student) for _ in range(2))
         (added, totals), (dq, diq) = jax.lax.scan(backward_window, start, xs)
         sums = [(a + t)[: -geo.block_size] for a, t in zip(added, totals)]
         dk = sums[0].reshape(k.shape).astype(k.dtype)

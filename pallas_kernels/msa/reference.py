@@ -202,7 +202,9 @@ def block_recall(
     *,
     block_size: int,
 ) -> jax.Array:
-    """Share of the dense teacher's top-k blocks (by attention mass) that were selected: [B, S, K]."""
+    """Share of the dense teacher's top-k blocks (by attention mass) kept by the selection.
+
+    Returns [B, S, K] fp32."""
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     num_blocks = -(-seq // block_size)

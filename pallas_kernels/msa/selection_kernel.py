@@ -178,7 +178,9 @@ def top_blocks(
         name="msa_select",
         out_shape=jax.ShapeDtypeStruct((batch * seq * num_heads, topk), jnp.int32),
         grid=(num_tiles, batch),
-        compiler_params=plt.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        compiler_params=plt.CompilerParams(
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages
+        ),
         interpret=interpret,
     )(
         jax.lax.stop_gradient(index_q).reshape(-1, index_dim),

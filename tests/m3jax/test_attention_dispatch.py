@@ -77,8 +77,9 @@ def test_msa_layer_is_dense_attention_while_every_block_is_kept(seq, sparse):
         dense_phase=False, student=(index_q, index_k), with_blocks=True,
     )  # fmt: skip
     assert (backend.sparse_calls > 0) == sparse and blocks.shape == (1, seq, 2, 2)
-    expected = msa_reference.sparse_attention(q, k, v, blocks, segments, positions,
-                                              block_size=32, student=(index_q, index_k))  # fmt: skip
+    expected = msa_reference.sparse_attention(
+        q, k, v, blocks, segments, positions, block_size=32, student=(index_q, index_k)
+    )
     np.testing.assert_allclose(out, expected[0], atol=1e-5)
     np.testing.assert_allclose(kl, expected[1], atol=1e-5)
 

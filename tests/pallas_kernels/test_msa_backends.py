@@ -17,7 +17,7 @@ import pytest
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
 from pallas_kernels.msa import pallas, reference, xla
-from pallas_kernels.msa.attention_kernels import Tiling
+from pallas_kernels.msa.chunks import Tiling
 from pallas_kernels.msa.selection_kernel import Tiling as SelectionTiling
 
 F32_TOLERANCE = 1e-5
@@ -191,7 +191,8 @@ def test_kernel_tilings_agree(tiling):
         "windows": dataclasses.replace(SMALL, partial_bytes=40_000),  # 48 queries a window
         "whole blocks": dataclasses.replace(SMALL, backward=Tiling(rows=16, key_split=1)),
         "one segment per block": dataclasses.replace(
-            SMALL, forward=Tiling(rows=32, segment_chunks=64),
+            SMALL,
+            forward=Tiling(rows=32, segment_chunks=64),
             backward=Tiling(rows=32, segment_chunks=64),
         ),
     }[tiling]
@@ -294,8 +295,9 @@ def test_xla_memory_grows_linearly_with_sequence_length():
         def loss(q, k, v, index_q, index_k, segments, positions):
             blocks = module.top_blocks(index_q, index_k, segments, positions, block_size=16,
                                        topk_blocks=4, local_blocks=1)  # fmt: skip
-            out, kl = module.sparse_attention(q, k, v, blocks, segments, positions,
-                                              block_size=16, student=(index_q, index_k))  # fmt: skip
+            out, kl = module.sparse_attention(
+                q, k, v, blocks, segments, positions, block_size=16, student=(index_q, index_k)
+            )
             return (out**2).sum() + kl.sum()
 
         return loss

@@ -24,8 +24,15 @@ def test_block_lists_cover_every_selection_once_in_block_then_query_order(
 ):
     ids, positions = random_selection()
     offset, seq, block = 5, 40, 4
-    lists = block_lists.build(ids, positions, jnp.int32(offset), seq=seq, block_size=block,
-                              chunk_queries=chunk_queries, segment_chunks=segment_chunks)  # fmt: skip
+    lists = block_lists.build(
+        ids,
+        positions,
+        jnp.int32(offset),
+        seq=seq,
+        block_size=block,
+        chunk_queries=chunk_queries,
+        segment_chunks=segment_chunks,
+    )
     batch, window, heads, topk = ids.shape
     flat = np.asarray(ids).reshape(-1)
     valid = flat >= 0
@@ -35,7 +42,11 @@ def test_block_lists_cover_every_selection_once_in_block_then_query_order(
     count = int(valid.sum())
     assert (keys[count:] == block_lists.INVALID).all() and not valid[entries[count:]].any()
     # the key of each entry: (row, head) and the slot of the chosen block's first key
-    b, i, h = entries // (window * heads * topk), entries // (heads * topk) % window, entries // topk % heads
+    b, i, h = (
+        entries // (window * heads * topk),
+        entries // (heads * topk) % window,
+        entries // topk % heads,
+    )
     start = offset + i - np.asarray(positions)[b, i] + flat[entries] * block
     expected = (b * heads + h) * 2 * seq + seq + start
     np.testing.assert_array_equal(keys[:count], expected[:count])

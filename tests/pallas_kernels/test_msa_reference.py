@@ -165,7 +165,12 @@ def test_sparse_attention_matches_explicit_block_mask():
     ids, sets = _select(_random_scores(kv_heads, seq, seed=9), block_size=4, topk_blocks=2)
     out = np.asarray(
         sparse_attention(
-            q, k, v, jnp.asarray(ids)[None], jnp.ones((1, seq)), jnp.arange(seq)[None],
+            q,
+            k,
+            v,
+            jnp.asarray(ids)[None],
+            jnp.ones((1, seq)),
+            jnp.arange(seq)[None],
             block_size=4,
         )[0]
     )
@@ -210,7 +215,9 @@ def test_select_blocks_packed_rows_never_score_other_documents(local_blocks):
     for h in range(2):
         for i in range(14):
             assert sets[h][10 + i] == alone_sets[h][i], (h, i)
-            assert PACKED_POSITIONS[10 + i] // 4 in sets[h][10 + i]  # its own block, counted in doc 2
+            assert (
+                PACKED_POSITIONS[10 + i] // 4 in sets[h][10 + i]
+            )  # its own block, counted in doc 2
         # Document 2's first queries (its block 0) have no other visible block: padding only.
         assert sets[h][10] == {0}
 
