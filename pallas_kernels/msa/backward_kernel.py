@@ -60,13 +60,9 @@ def backward_pass(
             seg = chunks.Segment(
                 geo, lists_refs[:4], offset_ref, seg_ref, index, part, tiling.key_split
             )
-            kv_rows = seg.slot_rows * geo.num_kv_heads + seg.head
-            keys_block = chunks.load_rows(k_ref, kv_rows, seg.key_inside, geo.head_dim)
-            values_block = chunks.load_rows(v_ref, kv_rows, seg.key_inside, geo.head_dim)
-            index_keys = (
-                chunks.load_rows(ik_ref, seg.slot_rows, seg.key_inside, geo.index_dim)
-                if with_student else None
-            )  # fmt: skip
+            keys_block = seg.load_block(k_ref)
+            values_block = seg.load_block(v_ref)
+            index_keys = seg.load_block(ik_ref, shared=True) if with_student else None
             keys = geo.block_size // tiling.key_split
             zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
             carry = (zeros((keys, geo.head_dim)), zeros((keys, geo.head_dim)))
@@ -123,8 +119,8 @@ def backward_pass(
             own = seg.key_inside & (seg.key_segments == seg.document)
             # d(index_k) is summed per kv head too (its one key head serves them all), so that
             # blocks of different heads never store into the same rows
-            added_rows = jnp.where(seg.key_inside, kv_rows, kv_spare)
-            stored_rows = jnp.where(own, kv_rows, kv_spare)
+            added_rows = jnp.where(seg.key_inside, seg.kv_rows, kv_spare)
+            stored_rows = jnp.where(own, seg.kv_rows, kv_spare)
 
             @pl.when(seg.leads)
             def _():

@@ -111,6 +111,17 @@ class Segment:
         self.query_offset = offset_ref[0]
         self.seg_ref = seg_ref
 
+    @property
+    def kv_rows(self):
+        """Rows of [B·S·K, ...] arrays (k, v, dk, dv) for the block's keys of this head."""
+        return self.slot_rows * self.geo.num_kv_heads + self.head
+
+    def load_block(self, ref, shared: bool = False):
+        """The block's keys' rows of a [B·S·K, D] ref, or of a [B·S, D] one all heads share
+        (index_k): [keys, D], zero outside the sequence."""
+        rows = self.slot_rows if shared else self.kv_rows
+        return load_rows(ref, rows, self.key_inside, ref.shape[1])
+
     def entries(self, chunk: int, repeat: int):
         """(sorted positions, valid, window-local queries) of a chunk's rows, each query `repeat`
         times in a row."""

@@ -33,12 +33,8 @@ def lse_pass(geo, tiling, lists, offset, q, k, segment_ids, student, *, interpre
         def segment_body(index, part):
             del part  # whole blocks
             seg = chunks.Segment(geo, lists_refs[:4], offset_ref, seg_ref, index)
-            kv_rows = seg.slot_rows * geo.num_kv_heads + seg.head
-            keys_block = chunks.load_rows(k_ref, kv_rows, seg.key_inside, geo.head_dim)
-            index_keys = (
-                chunks.load_rows(ik_ref, seg.slot_rows, seg.key_inside, geo.index_dim)
-                if with_student else None
-            )  # fmt: skip
+            keys_block = seg.load_block(k_ref)
+            index_keys = seg.load_block(ik_ref, shared=True) if with_student else None
 
             def chunk_body(chunk, carry):
                 position, valid, query = seg.entries(chunk, geo.group)
@@ -91,13 +87,9 @@ def forward_pass(
         def segment_body(index, part):
             del part  # whole blocks
             seg = chunks.Segment(geo, lists_refs[:4], offset_ref, seg_ref, index)
-            kv_rows = seg.slot_rows * geo.num_kv_heads + seg.head
-            keys_block = chunks.load_rows(k_ref, kv_rows, seg.key_inside, geo.head_dim)
-            values_block = chunks.load_rows(v_ref, kv_rows, seg.key_inside, geo.head_dim)
-            index_keys = (
-                chunks.load_rows(ik_ref, seg.slot_rows, seg.key_inside, geo.index_dim)
-                if with_student else None
-            )  # fmt: skip
+            keys_block = seg.load_block(k_ref)
+            values_block = seg.load_block(v_ref)
+            index_keys = seg.load_block(ik_ref, shared=True) if with_student else None
 
             def chunk_body(chunk, carry):
                 position, valid, query = seg.entries(chunk, geo.group)
