@@ -193,12 +193,25 @@ def parse_tiling(text: str) -> pallas.Config:
     return config
 
 
+def wanted(variant: str, phases: list[str]) -> bool:
+    """Whether to time `variant` for these phases (cuDNN's forward is the baseline of both the
+    selection and the forward)."""
+    phase = variant.split()[-1]
+    if variant == "cudnn fwd":
+        return "fwd" in phases or "select" in phases
+    return phase in phases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--xla-up-to", type=int, default=32768, help="time the XLA path up to here")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tilings", nargs="*", default=[""], help="kernel configs to time")
+    parser.add_argument(
+        "--phases", nargs="+", default=["select", "fwd", "fwd+bwd"],
+        help="time only these phases (e.g. fwd at 1M, where cuDNN's fwd+bwd takes minutes)",
+    )  # fmt: skip
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", help="profile the kernels' fwd+bwd at the last length here")
     parser.add_argument("--output", help="also write the markdown section here")
@@ -228,6 +241,8 @@ def main() -> None:
             variants.update(msa_functions(name, pallas, config=config))
         baseline = {}
         for variant, fn in variants.items():
+            if not wanted(variant, args.phases):
+                continue
             try:
                 seconds, used = time_variant(fn, inputs, args.repeats)
             except Exception as e:  # e.g. out of memory: record it, keep going
