@@ -1,0 +1,49 @@
+"""The GPU benchmarks' own logic, on CPU: bench_msa's kernel configs and phase filter, bench_train's
+synthetic packed rows."""
+
+import numpy as np
+import pytest
+
+from benchmarks import bench_msa, bench_train
+
+
+def test_parse_tiling_sets_fields_of_each_part():
+    config = bench_msa.parse_tiling("forward.rows=64,backward.key_split=4,selection.num_warps=4")
+    assert config.forward.rows == 64 and config.backward.key_split == 4
+    assert config.selection.num_warps == 4
+    default = bench_msa.parse_tiling("")
+    assert config.backward.rows == default.backward.rows  # untouched fields keep their defaults
+    with pytest.raises(TypeError):
+        bench_msa.parse_tiling("forward.no_such_field=1")
+
+
+def test_phase_filter_keeps_the_cudnn_baseline_of_what_is_timed():
+    assert bench_msa.wanted("cudnn fwd", ["select"]) and bench_msa.wanted("cudnn fwd", ["fwd"])
+    assert not bench_msa.wanted("cudnn fwd", ["fwd+bwd"])
+    assert not bench_msa.wanted("cudnn fwd+bwd", ["fwd"])
+    assert bench_msa.wanted("pallas[forward.rows=64] fwd+bwd", ["fwd+bwd"])
+    assert not bench_msa.wanted("pallas select", ["fwd", "fwd+bwd"])
+
+
+def test_bench_inputs_place_the_second_document_mid_block():
+    x = bench_msa.make_inputs(1000, documents=2)
+    segments, positions = np.asarray(x["segment_ids"][0]), np.asarray(x["positions"][0])
+    start = int(np.argmax(segments == 2))
+    assert start % bench_msa.BLOCK != 0 and positions[start] == 0
+    np.testing.assert_array_equal(positions[start:], np.arange(1000 - start))
+
+
+def test_synthetic_batch_packs_documents_with_positions_from_zero():
+    batch = bench_train.synthetic_batch(3, 4096, vocab=512, mean_document=700)
+    segments, positions = np.asarray(batch["segment_ids"]), np.asarray(batch["positions"])
+    assert segments.shape == positions.shape == (3, 4096)
+    documents = 0
+    for row_segments, row_positions in zip(segments, positions, strict=True):
+        starts = np.flatnonzero(np.diff(row_segments)) + 1
+        documents += len(starts) + 1
+        assert (row_positions[starts] == 0).all() and row_positions[0] == 0
+        inside = np.ones(4096, bool)
+        inside[starts] = inside[0] = False
+        assert (np.diff(row_positions)[inside[1:]] == 1).all()
+    assert documents >= 9  # rows hold several documents (≈ 4096 / 700 each on average)
+    assert (np.asarray(batch["targets"])[:, :-1] == np.asarray(batch["tokens"])[:, 1:]).all()
