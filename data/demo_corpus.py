@@ -29,6 +29,7 @@ from data.shard_inputs import InputDocument
 from data.text_corpus import shakespeare_documents
 from data.vision_processing import ProcessorConfig
 
+DEMO_PREFIX = "demo:"  # "demo:multimodal", "demo:text": names of the sets in configs
 CACHE_VERSION = "v1"  # bump when the corpus changes: a new folder is built
 DEFAULT_ROOT = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "demo-corpus"
 DEMO_PROCESSOR = ProcessorConfig(
@@ -63,6 +64,19 @@ _COLORS = {
     "white": (245, 245, 245),
 }
 _BACKGROUNDS = {"dark blue": (20, 30, 90), "black": (0, 0, 0), "grey": (110, 110, 110)}
+
+
+def shard_set_path(name: str) -> str:
+    """A shard-set name as configs write it: a folder, or "demo:<set>" (built on first use)."""
+    if not name.startswith(DEMO_PREFIX):
+        return name
+    sets = demo_shard_sets()
+    kind = name.removeprefix(DEMO_PREFIX)
+    if kind not in sets:
+        raise ValueError(
+            f"unknown demo shard set {name!r}; there are {sorted(DEMO_PREFIX + k for k in sets)}"
+        )
+    return str(sets[kind])
 
 
 def demo_shard_sets(root: str | pathlib.Path | None = None, *, progress: bool = True) -> dict:
