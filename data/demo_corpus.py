@@ -169,18 +169,19 @@ def heldout_documents() -> list[InputDocument]:
         segments = (("image", png.getvalue()), ("text", "\n" + caption))
         name = f"{number}-{color}-{shape}.png"
         documents.append(_document(f"heldout/{name}", SYNTHETIC_LICENSE, segments, name))
-    for topic, text in python_reference_topics(2 * len(HELDOUT_COMBOS)):
+    for topic, text in python_reference_topics(len(HELDOUT_COMBOS)):
         segments = (("text", text),)
         documents.append(_document(f"heldout/python-{topic}", PYTHON_LICENSE, segments, topic))
     return documents
 
 
 def python_reference_topics(count: int) -> list[tuple[str, str]]:
-    """The first `count` (by name) of the standard library's pydoc topics of 0.5-3K characters:
-    Python's language reference, text that ships with every Python."""
+    """The first `count` (by name) of the standard library's pydoc topics of 500-1500 characters:
+    Python's language reference, text that ships with every Python (short: so that the media
+    documents are a good part of a few evaluation batches)."""
     from pydoc_data.topics import topics
 
-    return [(k, topics[k]) for k in sorted(topics) if 500 <= len(topics[k]) <= 3000][:count]
+    return [(k, topics[k]) for k in sorted(topics) if 500 <= len(topics[k]) <= 1500][:count]
 
 
 def _document(doc_id, license, segments, origin) -> InputDocument:
