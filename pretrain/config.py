@@ -16,7 +16,8 @@ from data.bpe_tokenizer import TokenizerError, load_tokenizer
 from m3jax.config_loading import ConfigError, apply_overrides, from_mapping, load_yaml
 
 
-PLACEHOLDER_IDS = {"image_token_id": "image_id", "video_token_id": "video_id"}  # vision <- tokenizer
+# model.vision field -> the tokenizer's attribute it must equal (and is filled in from)
+PLACEHOLDER_IDS = {"image_token_id": "image_id", "video_token_id": "video_id"}
 
 
 class RunError(RuntimeError):

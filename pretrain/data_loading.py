@@ -70,7 +70,7 @@ def _multimodal_loader(run, tokenizer, shards, weights, field: str) -> Multimoda
             f"data.batch_size={data.batch_size} does not split over {jax.process_count()} processes"
         )
     try:
-        sources = [ShardSource(shard_set_path(name), weight) for name, weight in zip(shards, weights)]
+        sources = [ShardSource(shard_set_path(n), weight) for n, weight in zip(shards, weights)]
         return MultimodalLoader(
             sources, seq_len=data.seq_len, batch_size=data.batch_size // jax.process_count(),
             patch_budget=data.patch_budget, seed=data.seed, tokenizer=tokenizer,

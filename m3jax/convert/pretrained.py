@@ -150,7 +150,7 @@ def check_tensors(specs: list[TensorSpec], source: TensorSource, *, strict: bool
     if missing := sorted(set(expected) - names):
         hint = ""
         if any(MTP.search(name) for name in missing):
-            hint = " (MTP modules of num_mtp_modules; strict=False / --no-strict loads without them)"
+            hint = " (MTP modules: strict=False / --no-strict loads without them)"
         raise CheckpointFormatError(
             f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:5]}{hint}"
         )

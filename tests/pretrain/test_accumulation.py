@@ -36,7 +36,8 @@ def uneven_batch() -> dict:
 
 def test_micro_batches_take_every_kth_row():
     batch = {"x": jnp.arange(8)[:, None] * jnp.ones((1, 3), jnp.int32)}
-    np.testing.assert_array_equal(micro_batches(batch, 2)["x"][:, :, 0], [[0, 2, 4, 6], [1, 3, 5, 7]])
+    rows = micro_batches(batch, 2)["x"][:, :, 0]
+    np.testing.assert_array_equal(rows, [[0, 2, 4, 6], [1, 3, 5, 7]])
 
 
 @pytest.mark.slow

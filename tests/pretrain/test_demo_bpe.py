@@ -17,8 +17,9 @@ CONFIG = REPO / "configs" / "demo-bpe.yaml"
 @pytest.mark.slow
 def test_demo_bpe_trains_with_bpe_mtp_accumulation_and_evaluation(tmp_path, capsys):
     tokenizer_path = tmp_path / "tokenizer.json"
-    assert tokenizer_main(["train", "--input", "demo:multimodal", "--input", "demo:text",
-                           "--vocab-size", "1024", "--output", str(tokenizer_path)]) == 0  # fmt: skip
+    inputs = ["--input", "demo:multimodal", "--input", "demo:text"]
+    args = ["train", *inputs, "--vocab-size", "1024", "--output", str(tokenizer_path)]
+    assert tokenizer_main(args) == 0
     run = load_run_config(CONFIG)
     tokenizer = BPETokenizer(tokenizer_path)
     assert run.model.vocab_size == tokenizer.vocab_size == 1024

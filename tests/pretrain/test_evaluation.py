@@ -32,8 +32,10 @@ def test_evaluation_is_the_mean_over_all_held_out_targets_and_updates_nothing(tm
     nll, weight, kinds = [], [], []
     model, merge = functional(run.model), run.model.vision.spatial_merge_size
     for batch in evaluator.batches:
-        vision = from_packed_rows(batch["patches"], batch["patch_positions"],
-                                  batch["patch_segment_ids"], batch["feature_index"], merge)  # fmt: skip
+        vision = from_packed_rows(
+            batch["patches"], batch["patch_positions"], batch["patch_segment_ids"],
+            batch["feature_index"], merge,
+        )  # fmt: skip
         logits, _ = model.apply(before["params"], before["buffers"], batch["tokens"],
                                 batch["positions"], batch["segment_ids"], vision)  # fmt: skip
         nll.append(np.asarray(token_losses(logits, batch["targets"])[0]))

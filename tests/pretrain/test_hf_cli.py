@@ -149,7 +149,7 @@ def test_import_refuses_a_different_architecture_or_a_used_run_dir(checkpoint, t
 
 
 def test_mtp_modules_round_trip_through_import_and_export(tmp_path, capsys):
-    """m3-import (strict) takes the MTP modules num_mtp_modules names; m3-export writes them back."""
+    """m3-import (strict) reads the num_mtp_modules MTP modules; m3-export writes them back."""
     model = tiny_vision_run(model={"vision": TINY_VISION, "mtp": {"num_modules": 1}}).model
     rng = np.random.default_rng(1)
     shapes = leaf_shapes(model).items()

@@ -62,7 +62,8 @@ def test_bpe_tokenizer_mismatches_name_the_field(tmp_path, tokenizer_path):
                                        r"placeholder id 396 \(data.tokenizer="):  # fmt: skip
         make_loader(wrong)
     text_only = ["model.vision=null", "data.shards=[]", "data.weights=[]", "data.patch_budget=0"]
-    small = load_run_config(write_run(tmp_path, tokenizer_path), text_only + ["model.vocab_size=390"])
+    overrides = [*text_only, "model.vocab_size=390"]
+    small = load_run_config(write_run(tmp_path, tokenizer_path), overrides)
     with pytest.raises(RunError, match=f"model.vocab_size=390 is smaller than the {VOCAB} ids"):
         make_loader(small)
     missing = write_run(tmp_path, tmp_path / "nowhere.json")
