@@ -28,17 +28,19 @@ def micro_batches(batch: dict, parts: int) -> dict:
     return jax.tree.map(split, batch)
 
 
-def accumulated(loss_and_grad: Callable, parts: int) -> Callable:
-    """`loss_and_grad(params, buffers, batch, mode, totals)` over `parts` micro-batches of batch,
-    its outputs (every leaf additive) summed; `loss_and_grad` itself when parts is 1."""
+def accumulated(fn: Callable, parts: int) -> Callable:
+    """`fn(params, buffers, batch, mode, totals)` over `parts` micro-batches of batch, its outputs
+    summed (every leaf must add up: the loss function's loss, metrics and loads, gradients);
+    `fn` itself when parts is 1. The training step accumulates gradients with it, the
+    evaluation its forward pass."""
     if parts == 1:
-        return loss_and_grad
+        return fn
 
     def run(params, buffers, batch, mode, totals):
         micro = micro_batches(batch, parts)
 
         def part_out(part):
-            return loss_and_grad(params, buffers, part, mode, totals)
+            return fn(params, buffers, part, mode, totals)
 
         def add(carry, part):
             return jax.tree.map(jnp.add, carry, part_out(part)), None

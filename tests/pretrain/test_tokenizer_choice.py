@@ -9,6 +9,7 @@ from test_multimodal_training import DEMO_DATA
 from tiny import TINY, TINY_VISION, _merged
 
 from data.bpe_tokenizer import BPETokenizer
+from data.demo_corpus import demo_shard_sets
 from data.shards_cli import main as shards_main
 from data.tokenizer_cli import main as tokenizer_main
 from m3jax.config_loading import ConfigError
@@ -72,8 +73,6 @@ def test_bpe_tokenizer_mismatches_name_the_field(tmp_path, tokenizer_path):
 
 
 def test_shards_inspect_counts_tokens_with_the_chosen_tokenizer(tokenizer_path, capsys):
-    from data.demo_corpus import demo_shard_sets
-
     text_set = str(demo_shard_sets()["text"])
     assert shards_main(["inspect", text_set, "--samples", "1"]) == 0
     with_bytes = capsys.readouterr().out
