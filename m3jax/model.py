@@ -3,11 +3,11 @@
 M3Model: embeddings (no √d scaling) -> layer stacks -> final Gemma norm -> untied lm_head
 (spec/m3_architecture.md §3). With `config.vision`, it also owns the vision tower and projector:
 their merged features replace the embeddings of image/video placeholder tokens (§5.3) before the
-first layer. With `config.mtp.num_modules`, multi-token-prediction modules (m3jax/mtp.py) follow the
-trunk; only `with_mtp` runs them, so inference and export parity see the plain model. `Functional`
-wraps it for pure `jax.jit` code: parameters and buffers are plain nested
-dicts of arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph
-inside the traced function.
+first layer. With `config.mtp.num_modules`, multi-token-prediction modules (m3jax/mtp.py) follow
+the trunk; only `with_mtp` runs them, so inference and export parity see the plain model.
+`Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested dicts of
+arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph inside
+the traced function.
 
 Shapes: B batch, S sequence, D model width, V vocab, P patches, M merged feature rows.
 """

@@ -10,11 +10,10 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+from data.bpe_tokenizer import TokenizerError, load_tokenizer
 from data.vision_processing import ProcessorConfig
 from m3jax.config import ModelConfig
-from data.bpe_tokenizer import TokenizerError, load_tokenizer
 from m3jax.config_loading import ConfigError, apply_overrides, from_mapping, load_yaml
-
 
 # model.vision field -> the tokenizer's attribute it must equal (and is filled in from)
 PLACEHOLDER_IDS = {"image_token_id": "image_id", "video_token_id": "video_id"}

@@ -84,8 +84,8 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
             metrics.update(mtp_metrics)
         # MTP layers as one-layer stacks, after the trunk's (their tokens: the module's pieces)
         layer_stats = stats + [jax.tree.map(lambda x: x[None], s) for s in mtp]
-        token_shares = [(batch["segment_ids"] > 0).sum() / totals["tokens"]] * len(stats) + [
-            (s["segment_ids"] > 0).sum() / totals[f"mtp{d}_tokens"] for d, s in enumerate(mtp)
+        token_shares = [_share(batch["segment_ids"], totals["tokens"])] * len(stats) + [
+            _share(s["segment_ids"], totals[f"mtp{d}_tokens"]) for d, s in enumerate(mtp)
         ]
         moe_loss, moe_metrics = _moe_loss(layer_stats, totals["parts"], config)
         msa_loss, msa_metrics = _msa_loss(layer_stats, token_shares, labels["msa"], config)
@@ -141,6 +141,11 @@ def _layer_labels(config) -> dict[str, list[str]]:
         "moe": moe + (mtp if config.mlp_layer_types[-1] == "sparse" else []),
         "msa": msa + (mtp if config.layer_types[-1] == "minimax_m3_sparse" else []),
     }
+
+
+def _share(segment_ids: jax.Array, total: jax.Array) -> jax.Array:
+    """This part's share of the whole batch's real tokens (MSA statistics are means over them)."""
+    return (segment_ids > 0).sum() / jnp.maximum(total, 1)
 
 
 def _mtp_loss(outputs: list[dict], batch: Batch, totals: dict) -> tuple[jax.Array, dict]:
