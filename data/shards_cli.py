@@ -1,12 +1,13 @@
 """`m3-shards`: build, inspect and verify shard sets.
 
     m3-shards build --input SRC --output DIR [--shard-size 512MB] [--workers N]
-    m3-shards inspect DIR [--samples 3]
+    m3-shards inspect DIR [--samples 3] [--tokenizer bytes|PATH/tokenizer.json]
     m3-shards verify DIR
 
 `build` reads a JSONL manifest or a document folder (README "Shards"), checks and fits every
 media file, writes shards atomically and ends with the list of skipped inputs and their reasons.
-`inspect` prints the manifest's counts and decodes a few records. `verify` re-reads every record,
+`inspect` prints the manifest's counts and decodes a few records, counting their tokens with the
+chosen tokenizer. `verify` re-reads every record,
 decodes its media and compares it with the index; it exits 1 if anything is wrong.
 Errors that stop a command are one line on stderr, exit code 2.
 """
@@ -25,7 +26,7 @@ from data.shard_builder import index_row, write_documents
 from data.shard_format import ShardFormatError, decode_record, file_sha256
 from data.shard_inputs import BuildError, read_inputs
 from data.shard_reader import ShardSet
-from data.tokenizer import ByteTokenizer
+from data.bpe_tokenizer import BYTES, TokenizerError, load_tokenizer
 from data.vision_processing import ProcessorConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="print counts and a few decoded records")
     inspect.add_argument("directory")
     inspect.add_argument("--samples", type=int, default=3)
+    inspect.add_argument("--tokenizer", default=BYTES, help="bytes (default) or a tokenizer.json")
     verify = commands.add_parser("verify", help="re-read and decode every record")
     verify.add_argument("directory")
     verify.add_argument("--no-progress", action="store_true")
@@ -74,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             return _build(args)
         if args.command == "inspect":
-            return _inspect(args.directory, args.samples)
+            return _inspect(args.directory, args.samples, args.tokenizer)
         return _verify(args.directory, progress=not args.no_progress)
-    except (BuildError, ShardFormatError, OSError, ValueError) as e:
+    except (BuildError, ShardFormatError, TokenizerError, OSError, ValueError) as e:
         print(f"m3-shards: error: {e}", file=sys.stderr)
         return 2
 
@@ -118,7 +120,8 @@ def _natural(text: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def _inspect(directory: str, samples: int) -> int:
+def _inspect(directory: str, samples: int, tokenizer_name: str) -> int:
+    tokenizer = load_tokenizer(tokenizer_name)
     shards = ShardSet(directory)
     manifest = shards.manifest
     print(f"{directory}: schema v{manifest['version']}, {len(shards)} records in "
@@ -128,7 +131,7 @@ def _inspect(directory: str, samples: int) -> int:
             f"  {name:14s} {value:,.1f}" if isinstance(value, float) else f"  {name:14s} {value:,}"
         )
     config = ProcessorConfig(**manifest.get("processor_for_estimates", {}))
-    processor = DocumentProcessor(ByteTokenizer(), config, 1 << 30, 1 << 30)
+    processor = DocumentProcessor(tokenizer, config, 1 << 30, 1 << 30)
     for position in np.linspace(0, len(shards) - 1, min(samples, len(shards))).astype(int):
         raw = shards[int(position)]
         print(f"\n{raw.where}")
@@ -143,7 +146,7 @@ def _inspect(directory: str, samples: int) -> int:
         document = processor(raw)
         if hasattr(document, "tokens"):
             print(f"  -> {len(document.tokens)} tokens, {len(document.patches)} patches "
-                  f"(the manifest's processor, byte tokenizer)")  # fmt: skip
+                  f"(the manifest's processor, tokenizer {tokenizer_name})")  # fmt: skip
         else:
             print(f"  -> not usable: {document.reason}")
     return 0

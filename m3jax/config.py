@@ -138,6 +138,21 @@ class VisionConfig:
         return self.num_channels * self.temporal_patch_size * self.patch_size**2
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MTPConfig:
+    """Multi-token prediction modules, DeepSeek-V3's sequential design (m3jax/mtp.py)."""
+
+    # Module i (0-based) predicts the token i + 2 ahead; 0 = none (config.json: num_mtp_modules).
+    num_modules: int = 0
+    # loss += loss_weight · mean over modules of their LM loss (DeepSeek-V3: 0.3, later 0.1).
+    loss_weight: float = 0.3
+
+    def __post_init__(self):
+        _require_positive_ints(self, "mtp.", may_be_zero=("num_modules",))
+        if self.loss_weight < 0:
+            raise ValueError(f"mtp.loss_weight={self.loss_weight} must be >= 0")
+
+
 def _require_positive_ints(config, prefix: str, may_be_zero: tuple[str, ...] = ()) -> None:
     """The int fields of these configs count things: below 1 (or 0 where allowed) is a mistake."""
     for field in dataclasses.fields(config):
@@ -188,6 +203,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     msa: MSAConfig = MSAConfig()
     moe: MoEConfig = MoEConfig()
+    mtp: MTPConfig = MTPConfig()
     vision: VisionConfig | None = None  # None: a text-only model (no vision tower or projector)
 
     def __post_init__(self):

@@ -3,9 +3,11 @@
 M3Model: embeddings (no √d scaling) -> layer stacks -> final Gemma norm -> untied lm_head
 (spec/m3_architecture.md §3). With `config.vision`, it also owns the vision tower and projector:
 their merged features replace the embeddings of image/video placeholder tokens (§5.3) before the
-first layer. `Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested
-dicts of arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph
-inside the traced function.
+first layer. With `config.mtp.num_modules`, multi-token-prediction modules (m3jax/mtp.py) follow
+the trunk; only `with_mtp` runs them, so inference and export parity see the plain model.
+`Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested dicts of
+arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph inside
+the traced function.
 
 Shapes: B batch, S sequence, D model width, V vocab, P patches, M merged feature rows.
 """
@@ -24,6 +26,7 @@ from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStack
 from m3jax.moe import balanced_bias
+from m3jax.mtp import MultiTokenPrediction
 from m3jax.norms import RMSNorm
 from m3jax.projector import Projector
 from m3jax.rope import rope_tables
@@ -47,6 +50,9 @@ class M3Model(nnx.Module):
         )
         self.final_norm = RMSNorm(dim, config.rms_norm_eps)
         self.lm_head = params.normal(rngs, (dim, vocab), ("embed", "vocab"), std)
+        self.mtp = (
+            MultiTokenPrediction(config, rngs=rngs, mesh=mesh) if config.mtp.num_modules else None
+        )
         if config.vision is not None:
             self.vision = VisionTower(config, rngs=rngs)
             self.projector = Projector(config, rngs=rngs)
@@ -71,19 +77,46 @@ class M3Model(nnx.Module):
         with output_hidden_states "hidden" (each layer's output). The embeddings after the
         placeholder scatter are `embeddings(...)`.
         """
+        _, hidden, _, stats = self._trunk(
+            tokens, positions, segment_ids, vision, mode, output_hidden_states
+        )
+        return self.head(self.final_norm(hidden)), stats
+
+    def with_mtp(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        vision: VisionInputs | None = None,
+        mode: ForwardMode = ForwardMode(),
+    ) -> tuple[jax.Array, list[dict], list[dict]]:
+        """`__call__` plus the MTP modules: (logits, stats, per module {"logits", "segment_ids",
+        "moe"/"msa" stats}; see MultiTokenPrediction). The list is empty without MTP modules."""
+        embeddings, hidden, inputs, stats = self._trunk(
+            tokens, positions, segment_ids, vision, mode, False
+        )
+        logits = self.head(self.final_norm(hidden))
+        if self.mtp is None:
+            return logits, stats, []
+        return logits, stats, self.mtp(embeddings, hidden, inputs, mode, self.head)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Normed hidden states [B, S, D] -> logits [B, S, V] fp32 (the lm_head, shared by MTP)."""
+        return jnp.einsum(
+            "bsd,dv->bsv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32
+        )
+
+    def _trunk(self, tokens, positions, segment_ids, vision, mode, output_hidden_states):
+        """(input embeddings, last layer output before the final norm, attention inputs, stats)."""
         config = self.config
-        x = self.embeddings(tokens, vision)
+        embeddings = x = self.embeddings(tokens, vision)
         cos, sin = rope_tables(positions, config.rotary_dim, config.rope_theta)
         inputs = AttentionInputs(positions, segment_ids, cos, sin)
         stats = []
         for stack in self.stacks:
             x, stack_stats = stack(x, inputs, mode, output_hidden_states=output_hidden_states)
             stats.append(stack_stats)
-        x = self.final_norm(x)
-        logits = jnp.einsum(
-            "bsd,dv->bsv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32
-        )
-        return logits, stats
+        return embeddings, x, inputs, stats
 
     def embeddings(self, tokens: jax.Array, vision: VisionInputs | None) -> jax.Array:
         """First layer input [B, S, D]: token embeddings, placeholders replaced by features."""
@@ -136,6 +169,20 @@ class Functional:
             tokens, positions, segment_ids, vision, mode, output_hidden_states=output_hidden_states
         )
 
+    def apply_with_mtp(
+        self,
+        params: dict,
+        buffers: dict,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        vision: VisionInputs | None = None,
+        mode: ForwardMode = ForwardMode(),
+    ) -> tuple[jax.Array, list[dict], list[dict]]:
+        """Forward pass with the MTP modules (training): see M3Model.with_mtp."""
+        model = nnx.merge(self.graphdef, params, buffers)
+        return model.with_mtp(tokens, positions, segment_ids, vision, mode)
+
     def embeddings(
         self, params: dict, buffers: dict, tokens: jax.Array, vision: VisionInputs | None = None
     ) -> jax.Array:
@@ -146,15 +193,26 @@ class Functional:
         """The same model with its MoE layers expert-parallel over `mesh` (see `functional`)."""
         return functional(self.config, mesh)
 
-    def rebalanced(self, buffers: dict, stats: list[dict], rate: float) -> dict:
-        """Buffers after one aux-loss-free step of every router bias, from `apply`'s expert loads."""
+    def rebalanced(self, buffers: dict, loads: list, rate: float) -> dict:
+        """Buffers after one aux-loss-free step of every router bias.
+
+        loads: the tokens routed to each expert, per layer stack ([layers, E], from `apply`'s
+        stats) then per MTP module ([1, E]); None for stacks or modules without MoE.
+        """
+        num_stacks = len(layer_runs(self.config))
         stacks = dict(buffers.get("stacks", {}))
-        for i, stack_stats in enumerate(stats):
-            if "moe" in stack_stats:
-                bias = stacks[i]["layers"]["mlp"]["correction_bias"]
-                bias = balanced_bias(bias, stack_stats["moe"]["load"], rate)
+        for i, load in enumerate(loads[:num_stacks]):
+            if load is not None:
+                bias = balanced_bias(stacks[i]["layers"]["mlp"]["correction_bias"], load, rate)
                 stacks[i] = {"layers": {"mlp": {"correction_bias": bias}}}
-        return {**buffers, "stacks": stacks}
+        rebalanced = {**buffers, "stacks": stacks}
+        if any(load is not None for load in loads[num_stacks:]):
+            depths = dict(buffers["mtp"]["depths"])
+            for i, load in enumerate(loads[num_stacks:]):
+                bias = balanced_bias(depths[i]["layer"]["mlp"]["correction_bias"], load[0], rate)
+                depths[i] = {"layer": {"mlp": {"correction_bias": bias}}}
+            rebalanced["mtp"] = {"depths": depths}
+        return rebalanced
 
 
 def functional(config: ModelConfig, mesh: Mesh | None = None) -> Functional:

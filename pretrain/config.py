@@ -1,16 +1,22 @@
-"""The run configuration: model + data + optimizer + schedule + mesh + checkpoints + logging.
+"""The run configuration: model + data + optimizer + schedule + mesh + checkpoints + logging +
+held-out evaluation.
 
 `configs/*.yaml` map 1:1 onto `RunConfig`; `load_run_config` applies command-line `key=value`
-overrides and reports any bad key or value with the file and the dotted key.
+overrides, fills in the vision placeholder ids a YAML leaves out from the tokenizer, and reports
+any bad key or value with the file and the dotted key.
 """
 
 import dataclasses
 import os
 from collections.abc import Sequence
 
+from data.bpe_tokenizer import TokenizerError, load_tokenizer
 from data.vision_processing import ProcessorConfig
 from m3jax.config import ModelConfig
-from m3jax.config_loading import apply_overrides, from_mapping, load_yaml
+from m3jax.config_loading import ConfigError, apply_overrides, from_mapping, load_yaml
+
+# model.vision field -> the tokenizer's attribute it must equal (and is filled in from)
+PLACEHOLDER_IDS = {"image_token_id": "image_id", "video_token_id": "video_id"}
 
 
 class RunError(RuntimeError):
@@ -25,6 +31,7 @@ class DataConfig:
     # name the bundled demo corpus, built on first use). When given, they replace `source`.
     shards: tuple[str, ...] = ()
     weights: tuple[float, ...] = ()  # mixture proportions of the shard sets (default: equal)
+    tokenizer: str = "bytes"  # "bytes", or a tokenizer.json (`m3-tokenizer train` writes one)
     patch_budget: int = 0  # ViT patch rows per training row (images/videos never split across rows)
     workers: int = 0  # Grain worker processes for decoding (0 = in the training process)
     on_error: str = "skip"  # bad record: "skip" (counted, warned) or "fail" (stop, naming it)
@@ -82,10 +89,15 @@ class OptimizerConfig:
 class TrainConfig:
     steps: int = 1000  # total optimizer steps; the schedule decays over them
     seed: int = 0  # parameter initialisation
+    # Each step's batch (data.batch_size rows) runs as this many micro-batches whose gradients add
+    # up to the whole batch's (pretrain/accumulation.py): activation memory / k, same update.
+    grad_accum_steps: int = 1
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError(f"steps={self.steps} must be >= 1")
+        if self.steps < 1 or self.grad_accum_steps < 1:
+            raise ValueError(
+                f"steps={self.steps} and grad_accum_steps={self.grad_accum_steps} must be >= 1"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,6 +148,21 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Held-out evaluation (pretrain/evaluation.py): the LM loss on fixed batches, no update."""
+
+    shards: tuple[str, ...] = ()  # held-out shard sets, named as data.shards; () = no evaluation
+    every_steps: int = 100
+    batches: int = 8  # the same batches every time (data's seq_len, batch_size, processor, seed)
+
+    def __post_init__(self):
+        if self.every_steps < 1 or self.batches < 1:
+            raise ValueError(
+                f"every_steps={self.every_steps} and batches={self.batches} must be >= 1"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -144,6 +171,7 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
 
     def __post_init__(self):
         vision, processor = self.model.vision, self.data.processor
@@ -158,6 +186,11 @@ class RunConfig:
                         f"model.vision.{name}={getattr(vision, name)} differs from "
                         f"data.processor.{name}={getattr(processor, name)}"
                     )
+        if self.data.batch_size % self.train.grad_accum_steps:
+            raise ValueError(
+                f"data.batch_size={self.data.batch_size} does not split into "
+                f"train.grad_accum_steps={self.train.grad_accum_steps} micro-batches"
+            )
         if self.mesh.seq > 1 and self.data.seq_len % self.mesh.seq:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} is not a multiple of mesh.seq={self.mesh.seq}"
@@ -181,4 +214,21 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
     if overrides:
         data = apply_overrides(data, overrides)
         where += " (with overrides " + " ".join(overrides) + ")"
-    return from_mapping(RunConfig, data, where=where)
+    return from_mapping(RunConfig, with_placeholder_ids(data, where), where=where)
+
+
+def with_placeholder_ids(data: dict, where: str) -> dict:
+    """`data` with the image/video placeholder ids that its `model.vision` leaves out taken from
+    the tokenizer (`data.tokenizer`), so a config names them once, in the tokenizer."""
+    vision = (data.get("model") or {}).get("vision")
+    missing = [f for f in PLACEHOLDER_IDS if isinstance(vision, dict) and f not in vision]
+    if not missing:
+        return data
+    name = (data.get("data") or {}).get("tokenizer", DataConfig.tokenizer)
+    try:
+        tokenizer = load_tokenizer(name)
+    except (OSError, TokenizerError) as e:
+        raise ConfigError(f"{where}: data.tokenizer={name!r}: {e}") from None
+    ids = {field: getattr(tokenizer, role) for field, role in PLACEHOLDER_IDS.items()}
+    vision = {**vision, **{field: ids[field] for field in missing}}
+    return {**data, "model": {**data["model"], "vision": vision}}

@@ -1,32 +1,29 @@
-"""The data iterator a run asks for: packed text (`data.source`), or the native multimodal Grain
-pipeline over shard sets (`data.shards`), whose batches carry patches for the vision tower.
+"""The data iterators a run asks for: packed text (`data.source`), or the native multimodal Grain
+pipeline over shard sets (`data.shards`), whose batches carry patches for the vision tower; and
+the same pipeline over the held-out shard sets (`eval.shards`).
 
 Either iterator yields dicts of NumPy arrays and has `state()` / `restore(state)`, saved in every
-checkpoint so that a resumed run continues with exactly the next batch.
+checkpoint so that a resumed run continues with exactly the next batch. Both tokenize with
+`data.tokenizer` (bytes or a tokenizer.json), checked here against the model: its vocab_size and,
+for multimodal data, its placeholder ids.
 """
 
 import jax
 
-from data.demo_corpus import demo_shard_sets
+from data.bpe_tokenizer import BPETokenizer, TokenizerError, load_tokenizer
+from data.demo_corpus import shard_set_path
 from data.mm_documents import DataError
 from data.mm_loader import MultimodalLoader, ShardSource
 from data.text_corpus import load_documents
 from data.text_loader import PackedTextLoader
 from data.tokenizer import ByteTokenizer
-from pretrain.config import RunConfig, RunError
-
-DEMO_PREFIX = "demo:"  # "demo:multimodal", "demo:text": the bundled corpus, built on first use
+from pretrain.config import PLACEHOLDER_IDS, RunConfig, RunError
 
 
 def make_loader(run: RunConfig) -> PackedTextLoader | MultimodalLoader:
-    tokenizer = ByteTokenizer()
-    if run.model.vocab_size < tokenizer.vocab_size:
-        raise RunError(
-            f"model.vocab_size={run.model.vocab_size} is smaller than the byte "
-            f"tokenizer's {tokenizer.vocab_size} ids"
-        )
+    tokenizer = run_tokenizer(run)
     if run.data.shards:
-        return _multimodal_loader(run, tokenizer)
+        return _multimodal_loader(run, tokenizer, run.data.shards, run.data.weights, "data.shards")
     try:
         documents = load_documents(run.data.source)
         return PackedTextLoader(
@@ -37,41 +34,47 @@ def make_loader(run: RunConfig) -> PackedTextLoader | MultimodalLoader:
         raise RunError(f"data.source={run.data.source!r}: {e}") from None
 
 
-def _multimodal_loader(run: RunConfig, tokenizer: ByteTokenizer) -> MultimodalLoader:
+def make_eval_loader(run: RunConfig) -> MultimodalLoader:
+    """The held-out batches' loader: `eval.shards` (equal weights) with the data section's
+    tokenizer, row shape, processor and seed."""
+    return _multimodal_loader(run, run_tokenizer(run), run.eval.shards, (), "eval.shards")
+
+
+def run_tokenizer(run: RunConfig) -> ByteTokenizer | BPETokenizer:
+    """`data.tokenizer`, checked against model.vocab_size."""
+    try:
+        tokenizer = load_tokenizer(run.data.tokenizer)
+    except (OSError, TokenizerError) as e:
+        raise RunError(f"data.tokenizer={run.data.tokenizer!r}: {e}") from None
+    if run.model.vocab_size < tokenizer.vocab_size:
+        raise RunError(
+            f"model.vocab_size={run.model.vocab_size} is smaller than the {tokenizer.vocab_size} "
+            f"ids of data.tokenizer={run.data.tokenizer!r}"
+        )
+    return tokenizer
+
+
+def _multimodal_loader(run, tokenizer, shards, weights, field: str) -> MultimodalLoader:
     data, vision = run.data, run.model.vision
     if vision is not None:
-        expected = {"image_token_id": tokenizer.image_id, "video_token_id": tokenizer.video_id}
-        for name, token_id in expected.items():
-            if getattr(vision, name) != token_id:
+        for name, role in PLACEHOLDER_IDS.items():
+            if getattr(vision, name) != getattr(tokenizer, role):
                 raise RunError(
                     f"model.vision.{name}={getattr(vision, name)} is not the tokenizer's "
-                    f"placeholder id {token_id}"
+                    f"placeholder id {getattr(tokenizer, role)} (data.tokenizer="
+                    f"{data.tokenizer!r}); leave it out to take the tokenizer's"
                 )
-    weights = data.weights or (1.0,) * len(data.shards)
+    weights = weights or (1.0,) * len(shards)
     if jax.process_count() > 1 and data.batch_size % jax.process_count():
         raise RunError(
             f"data.batch_size={data.batch_size} does not split over {jax.process_count()} processes"
         )
     try:
-        sources = [
-            ShardSource(_shard_path(name), weight) for name, weight in zip(data.shards, weights)
-        ]
+        sources = [ShardSource(shard_set_path(n), weight) for n, weight in zip(shards, weights)]
         return MultimodalLoader(
             sources, seq_len=data.seq_len, batch_size=data.batch_size // jax.process_count(),
             patch_budget=data.patch_budget, seed=data.seed, tokenizer=tokenizer,
             processor=data.processor, num_workers=data.workers, on_error=data.on_error,
         )  # fmt: skip
     except (OSError, ValueError, DataError) as e:
-        raise RunError(f"data.shards={list(data.shards)}: {e}") from None
-
-
-def _shard_path(name: str) -> str:
-    if not name.startswith(DEMO_PREFIX):
-        return name
-    sets = demo_shard_sets()
-    kind = name.removeprefix(DEMO_PREFIX)
-    if kind not in sets:
-        raise ValueError(
-            f"unknown demo shard set {name!r}; there are {sorted(DEMO_PREFIX + k for k in sets)}"
-        )
-    return str(sets[kind])
+        raise RunError(f"{field}={list(shards)}: {e}") from None

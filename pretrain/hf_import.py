@@ -12,8 +12,9 @@ section in --config may set training-only fields (dtype, remat, init_std, moe.bi
 moe.balance_loss_weight); any other model field it sets must equal config.json's.
 
 Tensors stream one at a time from the safetensors to the Orbax arrays: host memory stays near one
-tensor. --strict (default) refuses `mtp.*` tensors (multi-token prediction, which m3jax lacks);
---no-strict skips them with a warning. Bad input stops with one line on stderr and exit code 2.
+tensor. --strict (default) imports the MTP modules config.json's `num_mtp_modules` asks for and
+refuses any other `mtp.*` tensor; --no-strict imports the model without MTP modules and skips
+every `mtp.*` tensor with a warning. Bad input stops with one line on stderr and exit code 2.
 """
 
 import argparse
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         "--strict",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="refuse mtp.* tensors (--no-strict: skip them with a warning)",
+        help="import num_mtp_modules MTP modules, refuse other mtp.* tensors (--no-strict: "
+        "no MTP modules, mtp.* skipped with a warning)",
     )
     args = parser.parse_args(argv)
     try:
@@ -73,7 +75,7 @@ def import_checkpoint(
     """Writes run_dir/config.yaml and run_dir/checkpoints/0; returns the run config."""
     if run_dir.exists() and any(run_dir.iterdir()):
         raise RunError(f"{run_dir} is not empty; m3-import writes a new run directory")
-    model, source = open_checkpoint(hf_dir)
+    model, source = open_checkpoint(hf_dir, strict=strict)
     specs = tensor_specs(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

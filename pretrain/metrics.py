@@ -1,4 +1,5 @@
-"""Where training metrics go: metrics.jsonl (one JSON object per logged step) and TensorBoard.
+"""Where training metrics go: metrics.jsonl (one JSON object per logged step, and one per
+evaluation) and TensorBoard (`train/<name>`, `eval/<name>`).
 
 On resume, lines of metrics.jsonl past the restored step (written after the last checkpoint of
 an interrupted run) are dropped, so the file always describes one consistent history.
@@ -22,7 +23,9 @@ class MetricsWriter:
         self._file.flush()
         if self._tensorboard is not None:
             for name, value in metrics.items():
-                self._tensorboard.add_scalar(f"train/{name}", value, step)
+                held_out = name.startswith("eval_")
+                tag = f"eval/{name.removeprefix('eval_')}" if held_out else f"train/{name}"
+                self._tensorboard.add_scalar(tag, value, step)
 
     def close(self) -> None:
         self._file.close()

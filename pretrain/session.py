@@ -37,10 +37,11 @@ class TrainingSession:
         # The MoE layers run expert-parallel over this mesh (m3jax/expert_parallel.py).
         self.model = model = model.on_mesh(self.mesh)
         data_parallel = math.prod(self.mesh.shape[a] for a in ("data", "fsdp", "expert"))
-        if run.data.batch_size % data_parallel:
+        parts = run.train.grad_accum_steps  # every micro-batch spreads over all devices
+        if run.data.batch_size % (data_parallel * parts):
             raise ConfigError(
                 f"data.batch_size={run.data.batch_size} is not a multiple of the "
-                f"data-parallel mesh size {data_parallel}"
+                f"data-parallel mesh size {data_parallel} times train.grad_accum_steps={parts}"
             )
         schedule = learning_rate(run.optimizer, run.train.steps)
         self.optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)

@@ -2,7 +2,8 @@
 
     m3-train --config configs/demo.yaml [--run-dir runs/demo] [section.key=value ...]
 
-RUN_DIR holds config.yaml, checkpoints/<step>/, metrics.jsonl and tensorboard/. A run directory
+RUN_DIR holds config.yaml, checkpoints/<step>/, metrics.jsonl and tensorboard/; with `eval.shards`
+the held-out loss is logged every `eval.every_steps` steps (pretrain/evaluation.py). A run directory
 with checkpoints is always resumed, never overwritten; the model config must match the saved one.
 The first Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits (a second
 Ctrl-C aborts at once). Bad input stops with one line on stderr and exit code 2.
@@ -26,13 +27,15 @@ from m3jax.model import functional
 from pretrain.checkpointing import CheckpointError, Checkpoints
 from pretrain.config import RunConfig, RunError, load_run_config
 from pretrain.data_loading import make_loader
+from pretrain.evaluation import Evaluator
 from pretrain.metrics import MetricsWriter, read_metrics
 from pretrain.session import TrainingSession
 
 LOG_KEYS = (
-    "loss", "nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance",
+    "loss", "nll", "mtp_nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance",
     "moe_dropped_fraction", "tokens_per_s"
 )  # fmt: skip
+EVAL_LOG_KEYS = ("eval_nll", "eval_mtp_nll", "eval_msa_recall")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +65,7 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
         functional(run.model), run, Checkpoints(run_dir / "checkpoints", run.checkpoint)
     )
     start = session.restore_or_init(loader)
+    evaluator = Evaluator(session, run) if run.eval.shards else None
     resumed = session.checkpoints.latest_step() is not None  # step 0 too: m3-import writes it
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
     writer = MetricsWriter(run_dir, tensorboard=run.logging.tensorboard, resume_step=start)
@@ -76,7 +80,7 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
               "raise train.steps to continue it")  # fmt: skip
     try:
         with _StopOnSignal() as stop:
-            stopped_at = _loop(session, loader, writer, start, stop, run)
+            stopped_at = _loop(session, loader, writer, start, stop, run, evaluator)
     finally:
         writer.close()
         session.checkpoints.wait()
@@ -87,7 +91,7 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
     return summary
 
 
-def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
+def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator) -> int:
     """Runs steps start..total; returns the step reached. Checkpoints at intervals and on stop."""
     total, log_every = run.train.steps, run.logging.every_steps
     pending, window_start, untimed = [], time.perf_counter(), 0
@@ -118,6 +122,8 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
                 parts = [f"{k} {logged[k]:.4g}" for k in LOG_KEYS if k in logged]
                 bar.write(f"step {step:>6}/{total} | " + " | ".join(parts))
                 pending, window_start, untimed = [], time.perf_counter(), 0
+            if evaluator is not None and step % run.eval.every_steps == 0:
+                window_start += _evaluate(evaluator, writer, bar, step)  # not in throughput
             if step % run.checkpoint.every_steps == 0 or step == total:
                 session.save(step, loader)
                 saved = step
@@ -129,6 +135,16 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
         where = f"checkpoint at step {step} saved" if step else "no step done, nothing to save"
         print(f"m3-train: {name}: {where}, stopping", flush=True)
     return step
+
+
+def _evaluate(evaluator: Evaluator, writer: MetricsWriter, bar, step: int) -> float:
+    """Evaluates, logs; returns the seconds it took."""
+    began = time.perf_counter()
+    logged = evaluator()
+    writer.write(step, logged)
+    parts = [f"{k} {logged[k]:.4g}" for k in EVAL_LOG_KEYS if k in logged]
+    bar.write(f"eval {step:>7} | " + " | ".join(parts))
+    return time.perf_counter() - began
 
 
 def _reduce(window: list[dict], untimed: int, seconds: float) -> dict:
@@ -157,7 +173,9 @@ def _check_saved_model(run_dir: pathlib.Path, run: RunConfig) -> None:
 
 
 def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
-    history = read_metrics(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir / "metrics.jsonl")
+    history = [r for r in records if "nll" in r]  # training records (evaluations: eval_nll)
+    evaluations = [r["eval_nll"] for r in records if "eval_nll" in r]
     session_history = [r for r in history if r["step"] > start]
     return {
         "run_dir": str(run_dir),
@@ -166,6 +184,7 @@ def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
         "first_nll": history[0]["nll"] if history else None,  # the LM loss, without KL/aux terms
         "last_nll": history[-1]["nll"] if history else None,
         "last_nll_by_document": _last_by_document(history),
+        "last_eval_nll": evaluations[-1] if evaluations else None,
         "tokens_per_s": _mean([r["tokens_per_s"] for r in session_history if "tokens_per_s" in r]),
         "stopped_by_signal": signum,
     }
@@ -198,6 +217,8 @@ def _print_summary(summary: dict) -> None:
     if summary["first_nll"] is not None:
         first, last = summary["first_nll"], summary["last_nll"]
         print(f"  LM loss      {first:.4f} (first logged step) -> {last:.4f} (last)")
+    if summary["last_eval_nll"] is not None:
+        print(f"  held-out     LM loss {summary['last_eval_nll']:.4f} (last evaluation)")
     if summary["modality_tokens"]:
         counts = ", ".join(
             f"{k.split('_')[0]} {v:,}" for k, v in summary["modality_tokens"].items()

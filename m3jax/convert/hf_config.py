@@ -7,8 +7,9 @@ upstream keys (`sparse_attention_config`, `moe_layer_freq`, top-level `rope_thet
 known: mapped, harmless (token ids, cache flags, ...), or pinned to the only value m3jax and
 transformers implement (e.g. `n_shared_experts: 1`); anything else raises ConfigError naming it.
 
-Training knobs (TRAINING_FIELDS: dtype, remat, MoE bias update rate and balance loss weight) are
-not part of config.json; a loaded config has their defaults.
+Training knobs (TRAINING_FIELDS: dtype, remat, MoE bias update rate and balance loss weight, MTP
+loss weight) are not part of config.json; a loaded config has their defaults. MiniMax's
+`num_mtp_modules` is the number of multi-token-prediction modules (`mtp.num_modules`).
 
 `to_hf_config` writes a config.json that transformers loads as
 `MiniMaxM3SparseForConditionalGeneration`, with `partial_rotary_factor` and, for engines that read
@@ -20,12 +21,14 @@ initialised vision tower, and `from_hf_config` reads such a file back as text-on
 import dataclasses
 from typing import Any
 
-from m3jax.config import ModelConfig, MoEConfig, MSAConfig, VisionConfig
+from m3jax.config import ModelConfig, MoEConfig, MSAConfig, MTPConfig, VisionConfig
 from m3jax.config_loading import ConfigError
 
 ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"
 # ModelConfig fields config.json does not carry (how we train, not what the model computes).
-TRAINING_FIELDS = ("dtype", "remat", "moe.bias_update_rate", "moe.balance_loss_weight")
+TRAINING_FIELDS = (
+    "dtype", "remat", "moe.bias_update_rate", "moe.balance_loss_weight", "mtp.loss_weight"
+)  # fmt: skip
 MODEL_TYPES = {
     "top": "minimax_m3_vl",
     "text": "minimax_m3_vl_text",
@@ -55,6 +58,7 @@ TEXT_FIELDS = {
     "index_topk_blocks": ("msa.topk_blocks", 16),
     "index_local_blocks": ("msa.local_blocks", 1),
     "initializer_range": ("init_std", 0.02),
+    "num_mtp_modules": ("mtp.num_modules", 0),  # transformers keeps it as a plain attribute
 }
 VISION_FIELDS = {
     "hidden_size": ("hidden_size", 1280),
@@ -73,7 +77,7 @@ IGNORED = {
     "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "auto_map",
     "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_attentions",
     "output_hidden_states", "return_dict", "max_position_embeddings", "output_router_logits",
-    "router_aux_loss_coef", "router_jitter_noise", "image_size", "num_mtp_modules",
+    "router_aux_loss_coef", "router_jitter_noise", "image_size",
     "use_sparse_attention", "sparse_init_block", "sparse_score_type", "sparse_disable_index_value",
     "qk_norm_type", "model_type",
 }  # fmt: skip
@@ -190,7 +194,8 @@ def with_training_fields(config: ModelConfig, source: ModelConfig) -> ModelConfi
         bias_update_rate=source.moe.bias_update_rate,
         balance_loss_weight=source.moe.balance_loss_weight,
     )
-    return dataclasses.replace(config, dtype=source.dtype, remat=source.remat, moe=moe)
+    mtp = dataclasses.replace(config.mtp, loss_weight=source.mtp.loss_weight)
+    return dataclasses.replace(config, dtype=source.dtype, remat=source.remat, moe=moe, mtp=mtp)
 
 
 def _text_fields(text: dict, where: str, prefix: str) -> dict:
@@ -240,6 +245,7 @@ def _text_fields(text: dict, where: str, prefix: str) -> dict:
     _check_rest(text, where, prefix)
     fields["msa"] = _build(MSAConfig, fields["msa"], where)
     fields["moe"] = _build(MoEConfig, fields["moe"], where)
+    fields["mtp"] = _build(MTPConfig, fields["mtp"], where)
     return fields
 
 

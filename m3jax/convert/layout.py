@@ -59,6 +59,12 @@ EXPERTS = {  # leaves with an expert axis: one upstream tensor per (layer, exper
     ("mlp", "up_proj"): ("block_sparse_moe.experts.{expert}.w3.weight", 1),
     ("mlp", "down_proj"): ("block_sparse_moe.experts.{expert}.w2.weight", 1),
 }
+MTP = {  # an MTP module's own leaves besides its decoder layer (m3jax/mtp.py)
+    ("embed_norm", "scale"): ("enorm.weight", None),
+    ("hidden_norm", "scale"): ("hnorm.weight", None),
+    ("projection",): ("eh_proj.weight", 1),  # [2D, D] -> [D, 2D]: embedding half first
+    ("final_norm", "scale"): ("norm.weight", None),
+}
 # Vision encoder layer and projector: Linear modules (kernel [in..., out...] + bias) and norms.
 VISION_LAYER = {
     ("norm1",): "layer_norm1",
@@ -152,21 +158,43 @@ def _text_specs(config: ModelConfig, shapes: dict) -> list[TensorSpec]:
         _spec("language_model.lm_head.weight", ("params", "lm_head"), (), 1, shapes),
     ]
     first_layer = 0
-    for stack, (attention_type, mlp_type, count) in enumerate(layer_runs(config)):
-        rules = {**ATTENTION, **(MOE if mlp_type == "sparse" else DENSE_MLP)}
+    for stack, (_, mlp_type, count) in enumerate(layer_runs(config)):
         for i in range(count):
             prefix = f"{TEXT}layers.{first_layer + i}."
-            for rel, (name, split) in rules.items():
-                leaf = _stack_leaf(stack, rel, shapes)
-                if leaf is not None:
-                    specs.append(_spec(prefix + name, leaf, (i,), split, shapes))
-            if mlp_type == "sparse":
-                for rel, (name, split) in EXPERTS.items():
-                    leaf = ("params", "stacks", stack, "layers", *rel)
-                    for expert in range(config.moe.num_experts):
-                        name_e = prefix + name.format(expert=expert)
-                        specs.append(_spec(name_e, leaf, (i, expert), split, shapes))
+            module = ("stacks", stack, "layers")
+            specs += _layer_specs(prefix, module, (i,), mlp_type, config, shapes)
         first_layer += count
+    return specs + _mtp_specs(config, shapes)
+
+
+def _mtp_specs(config: ModelConfig, shapes: dict) -> list[TensorSpec]:
+    """Multi-token-prediction modules under `…mtp.{i}.` (README: our naming; transformers skips
+    `mtp.*`): DeepSeek-V3's enorm / hnorm / eh_proj, then the decoder layer's upstream names as
+    after `layers.{i}.`, then the module's final norm."""
+    specs = []
+    for depth in range(config.mtp.num_modules):
+        prefix, module = f"{TEXT}mtp.{depth}.", ("params", "mtp", "depths", depth)
+        for rel, (name, split) in MTP.items():
+            specs.append(_spec(prefix + name, (*module, *rel), (), split, shapes))
+        mlp_type = config.mlp_layer_types[-1]
+        specs += _layer_specs(prefix, module[1:] + ("layer",), (), mlp_type, config, shapes)
+    return specs
+
+
+def _layer_specs(prefix, module, index, mlp_type, config, shapes) -> list[TensorSpec]:
+    """One decoder layer whose leaves sit under (collection, *module) at `index`."""
+    specs = []
+    rules = {**ATTENTION, **(MOE if mlp_type == "sparse" else DENSE_MLP)}
+    for rel, (name, split) in rules.items():
+        leaf = _layer_leaf(module, rel, shapes)
+        if leaf is not None:
+            specs.append(_spec(prefix + name, leaf, index, split, shapes))
+    if mlp_type == "sparse":
+        for rel, (name, split) in EXPERTS.items():
+            leaf = ("params", *module, *rel)
+            for expert in range(config.moe.num_experts):
+                name_e = prefix + name.format(expert=expert)
+                specs.append(_spec(name_e, leaf, (*index, expert), split, shapes))
     return specs
 
 
@@ -205,9 +233,9 @@ def _module_specs(name: str, module: LeafPath, index: tuple, shapes: dict) -> li
     return specs
 
 
-def _stack_leaf(stack: int, rel: tuple, shapes: dict) -> LeafPath | None:
+def _layer_leaf(module: tuple, rel: tuple, shapes: dict) -> LeafPath | None:
     for collection in ("params", "buffers"):
-        leaf = (collection, "stacks", stack, "layers", *rel)
+        leaf = (collection, *module, *rel)
         if leaf in shapes:
             return leaf
     return None

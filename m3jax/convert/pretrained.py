@@ -10,6 +10,7 @@ The pieces below `save_pretrained` stream: a tensor is read from its source just
 written, so the CLIs in pretrain/ convert checkpoints larger than host memory.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -45,7 +46,7 @@ from m3jax.convert.safetensors_io import (
 
 CONFIG_FILE = "config.json"
 EXPORT_DTYPES = {"float32": DTYPES["F32"], "bfloat16": DTYPES["BF16"]}
-MTP = re.compile(r"(^|\.)mtp\.")  # multi-token-prediction weights: transformers ignores them too
+MTP = re.compile(r"(^|\.)mtp\.")  # multi-token-prediction weights: transformers ignores them
 
 
 class TensorSource(Protocol):
@@ -65,10 +66,12 @@ class CheckpointFormatError(ValueError):
 def load_pretrained(path: str | os.PathLike, *, strict: bool = True) -> tuple[ModelConfig, dict]:
     """Reads a checkpoint directory -> (config, {"params": ..., "buffers": ...}) as jax arrays.
 
-    strict=False lets `mtp.*` tensors (multi-token prediction, not part of m3jax) pass with a
-    warning; any other unexpected, missing or misshapen tensor raises CheckpointFormatError.
+    strict=True reads the MTP modules config.json's `num_mtp_modules` asks for (tensors
+    `…mtp.{i}.*` in m3jax's naming, README); strict=False loads the model without MTP modules and
+    skips every `mtp.*` tensor with a warning. Any other unexpected, missing or misshapen tensor
+    raises CheckpointFormatError.
     """
-    config, source = open_checkpoint(path)
+    config, source = open_checkpoint(path, strict=strict)
     specs = tensor_specs(config)
     check_tensors(specs, source, strict=strict)
     leaves = {}
@@ -118,8 +121,11 @@ def save_pretrained(
     )
 
 
-def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]:
-    """(config, tensor source read through upstream names) of a checkpoint directory."""
+def open_checkpoint(
+    path: str | os.PathLike, *, strict: bool = True
+) -> tuple[ModelConfig, TensorSource]:
+    """(config, tensor source read through upstream names) of a checkpoint directory; with
+    strict=False the config has no MTP modules (see load_pretrained)."""
     directory = pathlib.Path(path)
     config_path = directory / CONFIG_FILE
     try:
@@ -129,6 +135,8 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TensorSource]
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{config_path}: cannot read ({e})") from None
     config = from_hf_config(data, where=str(config_path))
+    if not strict:
+        config = dataclasses.replace(config, mtp=dataclasses.replace(config.mtp, num_modules=0))
     source = SafetensorsDirectory(directory)
     if is_memory_layout(source.names()):
         source = UpstreamView(source)
@@ -140,8 +148,11 @@ def check_tensors(specs: list[TensorSpec], source: TensorSource, *, strict: bool
     expected = {spec.name: spec for spec in specs}
     names = set(source.names())
     if missing := sorted(set(expected) - names):
+        hint = ""
+        if any(MTP.search(name) for name in missing):
+            hint = " (MTP modules: strict=False / --no-strict loads without them)"
         raise CheckpointFormatError(
-            f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:5]}"
+            f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:5]}{hint}"
         )
     unexpected = sorted(names - set(expected))
     mtp = [name for name in unexpected if MTP.search(name)]
@@ -152,11 +163,13 @@ def check_tensors(specs: list[TensorSpec], source: TensorSource, *, strict: bool
         )
     if mtp:
         message = (
-            f"{len(mtp)} multi-token-prediction tensor(s) (mtp.*, e.g. {mtp[0]}) that m3jax "
-            "does not implement"
+            f"{len(mtp)} multi-token-prediction tensor(s) (mtp.*, e.g. {mtp[0]}) outside the MTP "
+            "modules of config.json's num_mtp_modules, in m3jax's naming"
         )
         if strict:
-            raise CheckpointFormatError(message + "; pass strict=False (--no-strict) to skip them")
+            raise CheckpointFormatError(
+                message + "; pass strict=False (--no-strict) to load without MTP modules"
+            )
         warnings.warn("skipping " + message, stacklevel=2)
     for name, spec in expected.items():
         if tuple(source.shape(name)) != spec.shape:

@@ -5,6 +5,9 @@ it (upstream layout, 14 shards; and its in-memory state dict); m3jax loads it an
 transformers' logits. Export: m3jax saves its own random model (sharded), transformers loads it
 (reporting nothing missing, unexpected or mismatched) and must reproduce m3jax's logits.
 
+An export with a multi-token-prediction module (`mtp.*` tensors, which transformers skips) must
+load the same way and give m3jax's logits.
+
 Cases: text only, one image, a video in two chunks, and a batch of two rows mixing both. MSA
 selection is active (block 4, top-3 of up to 12 blocks), the swigluoai clamps fire, norms and
 correction biases are non-zero. Besides logits (fp32, within 1e-4), every layer's hidden state,
@@ -14,6 +17,7 @@ transformers runs in a side venv (Python 3.11, torch 2.13 CPU, transformers 5.23
 builds it once in .cache/hf-venv): the two sides exchange npz/safetensors files in tmp dirs.
 """
 
+import dataclasses
 import json
 import subprocess
 
@@ -24,7 +28,9 @@ from conftest import REPO
 from random_weights import random_weights
 
 import m3jax
+from m3jax.config import MTPConfig
 from m3jax.convert.hf_config import from_hf_config
+from m3jax.convert.safetensors_io import SafetensorsDirectory
 
 HF_VENV = REPO / ".cache" / "hf-venv"
 HF_SIDE = REPO / "tests" / "interop" / "hf_side.py"
@@ -222,3 +228,34 @@ def test_import_of_in_memory_layout_equals_upstream_layout(imported):
     assert jax.tree.structure(weights) == jax.tree.structure(imported[2])
     for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(imported[2]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def exported_mtp(tmp_path_factory, imported):
+    """m3jax's random model with an MTP module (same trunk config), run by transformers on the
+    text and mixed cases."""
+    work = tmp_path_factory.mktemp("export_mtp")
+    config = dataclasses.replace(imported[1], mtp=MTPConfig(num_modules=1))
+    weights = random_weights(config, seed=3)
+    m3jax.save_pretrained(config, weights, work / "model", shard_size="30KB")
+    cases = {k: v for k, v in make_cases(seed=0).items() if k.split(".")[0] in MTP_CASES}
+    np.savez(work / "inputs.npz", **cases)
+    hf_side("run", "--model", str(work / "model"), "--inputs", str(work / "inputs.npz"),
+            "--out", str(work / "results.npz"))  # fmt: skip
+    return work, config, weights, dict(np.load(work / "results.npz"))
+
+
+MTP_CASES = ("text", "mixed")
+
+
+def test_hf_loads_an_export_with_mtp_modules_and_gives_the_same_logits(exported_mtp):
+    work, config, weights, hf = exported_mtp
+    names = SafetensorsDirectory(work / "model").names()
+    assert "language_model.model.mtp.0.eh_proj.weight" in names
+    info = json.loads(str(hf["loading_info"]))
+    assert info and all(not values for values in info.values()), info  # mtp.*: skipped silently
+    for case in MTP_CASES:
+        logits = m3jax.forward(config, weights, **case_inputs(case))
+        expected = hf[f"{case}.logits"]
+        assert 0.3 < expected.std() < 10
+        np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=ATOL)

@@ -123,6 +123,37 @@ def test_load_non_strict_skips_mtp_with_a_warning(saved, tmp_path):
     )
 
 
+def test_mtp_modules_save_as_mtp_tensors_and_load_back_strictly(tmp_path):
+    config = tiny_vision_run(model={"mtp": {"num_modules": 2}}).model
+    weights = random_weights(config, seed=3)
+    m3jax.save_pretrained(config, weights, tmp_path / "model")
+    index = json.loads((tmp_path / "model" / "model.safetensors.index.json").read_text())
+    mtp = [name for name in index["weight_map"] if ".mtp." in name]
+    assert "language_model.model.mtp.1.eh_proj.weight" in mtp
+    assert "language_model.model.mtp.0.block_sparse_moe.experts.3.w2.weight" in mtp
+    written = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert written["text_config"]["num_mtp_modules"] == 2
+    loaded_config, loaded = m3jax.load_pretrained(tmp_path / "model")
+    assert with_training_fields(loaded_config, config) == config
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(weights), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    with pytest.warns(UserWarning, match=f"skipping {len(mtp)} multi-token-prediction"):
+        plain_config, plain = m3jax.load_pretrained(tmp_path / "model", strict=False)
+    assert plain_config.mtp.num_modules == 0 and "mtp" not in plain["params"]
+    np.testing.assert_array_equal(np.asarray(plain["params"]["embed"]), weights["params"]["embed"])
+
+
+def test_load_strict_needs_the_mtp_tensors_config_json_asks_for(saved, tmp_path):
+    rewrite(saved[0], tmp_path / "no_mtp", lambda t: None)
+    config_path = tmp_path / "no_mtp" / "config.json"
+    data = json.loads(config_path.read_text())
+    data["text_config"]["num_mtp_modules"] = 1
+    config_path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointFormatError, match=r"missing .*mtp\.0\..*--no-strict loads"):
+        m3jax.load_pretrained(tmp_path / "no_mtp")
+    assert m3jax.load_pretrained(tmp_path / "no_mtp", strict=False)[0].mtp.num_modules == 0
+
+
 def test_safetensors_errors_name_the_file(tmp_path):
     (tmp_path / "broken.safetensors").write_bytes(b"\x05\x00")
     with pytest.raises(SafetensorsError, match="broken.safetensors: not a readable safetensors"):
