@@ -4,6 +4,7 @@ state = {"step", "params", "buffers", "opt_state"}: nested dicts of arrays, what
 loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE balance loss
        + msa.kl_weight · Σ_sparse layers indexer KL (whose gradient reaches only the indexers).
 After the update, each router's correction bias moves toward balanced load (outside the optimizer).
+A step whose loss or gradient norm is not finite changes nothing but `step` (pretrain/faults.py).
 The loads are global, all tokens of the step on any mesh: routing statistics are computed outside
 the expert-parallel shard_map (m3jax/moe.py).
 """
@@ -18,6 +19,7 @@ from m3jax.attention import ForwardMode
 from m3jax.model import Functional
 from m3jax.vision_inputs import from_packed_rows
 from pretrain.config import RunConfig
+from pretrain.faults import keep_finite
 from pretrain.loss import document_kinds, load_balance_loss, masked_mean, token_losses
 
 Batch = dict[str, jax.Array]  # tokens, targets, positions, segment_ids: [B, S] int32; loss_mask
@@ -103,11 +105,14 @@ def make_train_step(
             "buffers": model.rebalanced(state["buffers"], stats, config.moe.bias_update_rate),
             "opt_state": opt_state,
         }
+        grad_norm = optax.tree.norm(grads)
+        new_state, skipped = keep_finite(state, new_state, loss, grad_norm)
         metrics.update(
             loss=loss,
-            grad_norm=optax.tree.norm(grads),
+            grad_norm=grad_norm,
             lr=schedule(state["step"]),
             tokens=(batch["segment_ids"] > 0).sum(),
+            skipped=skipped,
         )
         return new_state, metrics
 
