@@ -158,7 +158,8 @@ class TrainingSession:
             "skipped_steps": self.faults.skipped_steps,
             "schedule_steps": self.schedule_steps,
         }
-        self.checkpoints.save(step, self.state, data_state or loader.state(), saved)
+        data_state = loader.state() if data_state is None else data_state
+        self.checkpoints.save(step, self.state, data_state, saved)
 
     def _use_schedule(self, steps: int) -> None:
         """Builds the optimizer and the jitted step for an LR schedule decaying over `steps`."""
