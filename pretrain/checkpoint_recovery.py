@@ -4,9 +4,11 @@
   one line each and moved aside to `<step>.corrupt` (kept for inspection), unless
   `checkpoint.restore_older_if_corrupt` is false, which stops instead.
 - Saving: a failed save (disk full, ...) is reported in one line when it is noticed (at the next
-  step for an async save); its temporary folder is already gone and older checkpoints are
-  untouched. The current state is saved again at once; if that fails too, the run stops
-  (CheckpointError: exit code 2) and can be resumed from the latest complete checkpoint.
+  step for an async save); its temporary folder is removed and older checkpoints are untouched.
+  The state is saved again at the first step after the failed one (never into the failed step's
+  folder, which writes still in flight may touch); if that fails too, or the failed save was the
+  run's last, the run stops (CheckpointError: exit code 2) and can be resumed from the latest
+  complete checkpoint.
 """
 
 from collections.abc import Callable
@@ -52,8 +54,8 @@ def restore_newest_intact(
 
 
 class SaveRetry:
-    """Runs checkpoint saves; the first failure in a row is reported and retried, the second
-    raises CheckpointError (see the module doc).
+    """Runs checkpoint saves; a failure is reported and retried once at a later step, a second
+    failure in a row raises CheckpointError (see the module doc).
 
     Args:
         checkpoints: the run's checkpoints (for poll, wait and the latest complete step).
@@ -68,38 +70,45 @@ class SaveRetry:
         report: Callable[[str], None],
     ):
         self._checkpoints, self._save_state, self._report = checkpoints, save_state, report
-        self._retrying = False
+        self._failed_step: int | None = None  # a failure not yet followed by a complete save
+        self._retry_due = False
 
     def save(self, step: int) -> None:
-        self._guard(lambda: self._save_state(step), step)
+        self._retry_due = False
+        self._guard(lambda: self._save_state(step))
 
     def poll(self, step: int) -> None:
-        """Each step: notices a background save that has failed (retrying at `step`)."""
-        self._guard(self._checkpoints.poll, step)
+        """Each step: notices a background save that has failed; retries once it may."""
+        self._guard(self._checkpoints.poll)
+        if self._retry_due and step > self._failed_step:
+            self.save(step)
 
     def finish(self, step: int) -> None:
         """At the end: waits for the last save (and for its retry, if it failed)."""
-        self._guard(self._checkpoints.wait, step)
-        self._guard(self._checkpoints.wait, step)  # the retry's outcome; no-op if none
+        self._guard(self._checkpoints.wait, last=True)
+        if self._retry_due and step > self._failed_step:
+            self.save(step)
+            self._guard(self._checkpoints.wait, last=True)
 
-    def _guard(self, action: Callable[[], int | None], step: int) -> None:
+    def _guard(self, action: Callable[[], int | None], last: bool = False) -> None:
         try:
             completed = action()
         except CheckpointSaveError as error:
-            self._failed(error, step)
+            self._failed(error, last)
             return
-        if completed is not None:
-            self._retrying = False
+        if completed is not None:  # a save that completed: the next failure is a first again
+            self._failed_step = None
 
-    def _failed(self, error: CheckpointSaveError, step: int) -> None:
+    def _failed(self, error: CheckpointSaveError, last: bool) -> None:
         latest = self._checkpoints.latest_step()
         kept = "no complete checkpoint yet" if latest is None else f"latest complete: step {latest}"
-        if self._retrying:
+        if self._failed_step is not None or last:
+            retried = self._failed_step is not None
+            again = f"; it retried step {self._failed_step}'s failed save" if retried else ""
             raise CheckpointError(
-                f"{error}, again after a retry; {kept}; stopping (free space or fix "
+                f"{error}{again}; {kept}; stopping (free space or fix "
                 f"{self._checkpoints.directory}, then run again to resume)"
             )
-        self._retrying = True
+        self._failed_step, self._retry_due = error.step, True
         self._report(f"m3-train: {error}; its temporary folder was removed, {kept}; "
-                     f"retrying at step {step}")  # fmt: skip
-        self.save(step)
+                     "retrying at the next step")  # fmt: skip

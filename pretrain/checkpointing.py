@@ -8,7 +8,8 @@ process are removed when the directory is opened. Restores go onto the current m
 target carries the shardings.
 
 Failures are reported as one-line errors naming the step: a failed save (`CheckpointSaveError`,
-raised by `save`, `poll` or `wait`; its temporary folder is removed first) and an unreadable
+raised by `save`, `poll` or `wait`; its temporary folder is removed then, and again at every later
+call and at `close`, should writes still in flight recreate it) and an unreadable
 checkpoint (`CheckpointError` from `restore`). Orbax's own error logs about them (tracebacks, from
 its background threads too) and those of the asyncio tasks it runs (thousands of lines for a
 truncated checkpoint) are dropped while a `Checkpoints` is open.
@@ -60,6 +61,7 @@ class Checkpoints:
                 f"({first_line(e)}); is it writable?"
             ) from None
         self._saving: int | None = None  # step of a save that may still be running
+        self._failed_steps: set[int] = set()  # whose temporary folders are to be removed
         self._quiet = _OrbaxErrors()
         logging.getLogger("absl").addFilter(self._quiet)
 
@@ -72,6 +74,7 @@ class Checkpoints:
     def save(self, step: int, state: dict, data_state: dict, progress: dict) -> None:
         """Starts saving (in the background when async); `poll` or `wait` reports its outcome."""
         self.wait()
+        self._remove_leftovers()
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_state),
@@ -84,6 +87,7 @@ class Checkpoints:
     def poll(self) -> int | None:
         """Without blocking: the step of a save that just completed, if any; raises
         CheckpointSaveError if it failed."""
+        self._remove_leftovers()
         if self._saving is not None and not self._manager.is_saving_in_progress():
             return self.wait()
         return None
@@ -126,6 +130,7 @@ class Checkpoints:
 
     def close(self) -> None:
         self._manager.close()
+        self._remove_leftovers()
         logging.getLogger("absl").removeFilter(self._quiet)
 
     @contextlib.contextmanager
@@ -133,10 +138,27 @@ class Checkpoints:
         try:
             yield
         except Exception as e:  # disk full, permissions, a lost mount...
-            for leftover in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
-                shutil.rmtree(leftover, ignore_errors=True)
+            self._await_other_writes()
+            self._failed_steps.add(step)
+            self._remove_leftovers()
             self._manager.reload()
             raise CheckpointSaveError(step, root_cause(e)) from None
+
+    def _remove_leftovers(self) -> None:
+        for step in self._failed_steps:
+            for leftover in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+    def _await_other_writes(self) -> None:
+        # Orbax (0.12.4) reports the first failed write of a save while the others still write
+        # into its temporary folder, which would reappear after we remove it: wait for them
+        # (reachable for async saves; a sync save's folder is removed again later).
+        checkpointer = getattr(self._manager, "_checkpointer", None)
+        background = getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None)
+        for write in background or ():
+            with contextlib.suppress(Exception):
+                write.result()
 
 
 def abstract_with_shardings(shapes, shardings):
