@@ -62,8 +62,8 @@ class Checkpoints:
             ) from None
         self._saving: int | None = None  # step of a save that may still be running
         self._failed_steps: set[int] = set()  # whose temporary folders are to be removed
-        self._quiet = _OrbaxErrors()
-        logging.getLogger("absl").addFilter(self._quiet)
+        self._quiet = contextlib.ExitStack()
+        self._quiet.enter_context(quiet_orbax_errors())
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -131,7 +131,7 @@ class Checkpoints:
     def close(self) -> None:
         self._manager.close()
         self._remove_leftovers()
-        logging.getLogger("absl").removeFilter(self._quiet)
+        self._quiet.close()
 
     @contextlib.contextmanager
     def _failure_of(self, step: int):
@@ -181,11 +181,21 @@ def root_cause(error: BaseException) -> str:
 
 
 class _OrbaxErrors(logging.Filter):
-    """Drops error records logged from Orbax's code (Checkpoints reports failures itself)."""
-
     def filter(self, record: logging.LogRecord) -> bool:
         from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
         return not (from_orbax and record.levelno >= logging.ERROR)
+
+
+@contextlib.contextmanager
+def quiet_orbax_errors():
+    """Drops error records (tracebacks) that Orbax's code logs meanwhile, from its background
+    threads too: the caller reports the failure itself, in one line."""
+    quiet, logger = _OrbaxErrors(), logging.getLogger("absl")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 class _DropAll(logging.Filter):
