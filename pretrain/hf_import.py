@@ -20,10 +20,10 @@ exit code 2 (the traceback with --debug).
 """
 
 import argparse
-import os
 import pathlib
 import shutil
 import sys
+import time
 import warnings
 
 import jax
@@ -46,6 +46,7 @@ from pretrain.session import progress
 from pretrain.train_step import init_state
 
 IMPORT_STEP = 0
+SETTLE_CHECKS, SETTLE_SECONDS = 20, 0.05  # removing a failed import's folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +91,7 @@ def import_checkpoint(
     data_state = make_loader(run).state()
     optimizer = make_optimizer(run.optimizer, run.train.steps, functional(model).param_axes)
     abstract = jax.eval_shape(lambda: init_state(functional(model), optimizer, run.train.seed))
-    staging = run_dir.parent / f".{run_dir.name}.importing-{os.getpid()}"
+    staging = run_dir.parent / f".{run_dir.name}.importing"  # a failed import's is replaced
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
@@ -100,7 +101,7 @@ def import_checkpoint(
             save_streamed(step_dir, state, data_state, progress(run, tokens_seen=0))
         (staging / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # leave no half-written run
+        _remove_for_good(staging)  # leave no half-written run
         raise
     if run_dir.exists():
         run_dir.rmdir()  # empty (checked above)
@@ -154,6 +155,16 @@ def _lazy_state(abstract: dict, specs, source, progress) -> dict:
     }
     optimizer_state = jax.tree.map(lambda x: zeros(x.shape, x.dtype), abstract["opt_state"])
     return {"step": zeros((), np.int32), **weights, "opt_state": optimizer_state}
+
+
+def _remove_for_good(path: pathlib.Path) -> None:
+    # Array writes already in flight when a tensor failed are committed by tensorstore in the
+    # background and can recreate the folder just after it is removed: remove until it stays gone.
+    for _ in range(SETTLE_CHECKS):
+        shutil.rmtree(path, ignore_errors=True)
+        time.sleep(SETTLE_SECONDS)
+        if not path.exists():
+            return
 
 
 def _key(key):
