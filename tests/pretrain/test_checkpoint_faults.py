@@ -122,25 +122,39 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_newest_intact_one(straight,
     assert (run_dir / "checkpoints" / "6.corrupt" / "state").is_dir()
 
 
-def test_corrupt_latest_checkpoint_can_be_refused_in_one_line(straight, tmp_path):
+def test_corrupt_latest_checkpoint_can_be_refused(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    _truncate_state(run_dir / "checkpoints" / "6")
+    with pytest.raises(CheckpointError) as refused:
+        train(tiny_run(checkpoint={"restore_older_if_corrupt": False}), run_dir)
+    assert f"{run_dir / 'checkpoints' / '6'}: cannot restore checkpoint (" in str(refused.value)
+    assert "restore_older_if_corrupt=false, so the older step 3 is not restored" in str(
+        refused.value
+    )
+    assert _steps(run_dir) == [3, 6]  # nothing moved or written
+
+
+def test_no_intact_checkpoint_is_one_line_not_thousands(straight, tmp_path):
     """A subprocess, to see everything the CLI prints: one line (the demo printed ~55K lines of
     asyncio and Orbax tracebacks for a truncated checkpoint)."""
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)
-    _truncate_state(run_dir / "checkpoints" / "6")
+    for step in (3, 6):
+        _truncate_state(run_dir / "checkpoints" / str(step))
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(to_mapping(tiny_run())))
     result = subprocess.run(
         [sys.executable, "-m", "pretrain.train", "--config", str(config), "--run-dir",
-         str(run_dir), "checkpoint.restore_older_if_corrupt=false"],
+         str(run_dir)],
         cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr[:2000]
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1, f"{len(lines)} lines: {result.stderr[:2000]}"
     assert f"{run_dir / 'checkpoints' / '6'}: cannot restore checkpoint (" in lines[0]
-    assert "restore_older_if_corrupt=false, so the older step 3 is not restored" in lines[0]
+    assert "; the older checkpoints (steps 3) do not restore either" in lines[0]
     assert _steps(run_dir) == [3, 6]  # nothing moved or written
 
 

@@ -56,34 +56,33 @@ def _assert_same(a, b):
 def test_poisoned_batches_are_skipped_named_and_stop_the_run_when_repeated(
     tmp_path, monkeypatch, capsys
 ):
-    """Step 3's batch is poisoned (skipped, the run goes on), then 6, 7, 8: four skips within
-    the window is more than max_skipped_steps=3, so the run stops with the last good state."""
-    monkeypatch.setattr(_PoisonedLoader, "poisoned", (3, 6, 7, 8))
+    """Step 3's batch is poisoned (skipped, the run goes on), then 6 to 15: eleven skips within
+    100 steps are more than the default max_skipped_steps=10, so the run stops at step 15 with a
+    checkpoint of the last good state."""
+    poisoned = (3, *range(6, 16))
+    monkeypatch.setattr(_PoisonedLoader, "poisoned", poisoned)
     monkeypatch.setattr(pretrain.data_loading, "PackedTextLoader", _PoisonedLoader)
-    run = tiny_run(
-        train={"steps": 12, "max_skipped_steps": 3, "skipped_steps_window": 10},
-        checkpoint={"every_steps": 1, "keep": 20},
-    )
-    with pytest.raises(RunError) as stopped:
+    run = tiny_run(train={"steps": 20}, checkpoint={"every_steps": 1, "keep": 20})
+    with pytest.raises(RunError) as stopped:  # main went on with NaN to the end
         train(run, tmp_path / "run")
-    assert "4 of the last 10 steps (up to step 8) had a non-finite loss or gradient" in str(
+    assert "11 of the last 100 steps (up to step 15) had a non-finite loss or gradient" in str(
         stopped.value
     )
-    assert "checkpoint at step 8 saved (the last good state)" in str(stopped.value)
-    out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if "update skipped" in line]
-    assert [line.split(":")[1].strip() for line in lines] == ["step 3", "step 6", "step 7", "step 8"]
-    assert "batch: " in lines[0] and "/act-" in lines[0]  # the scenes in the poisoned batch
+    assert "checkpoint at step 15 saved (the last good state)" in str(stopped.value)
     run_dir = tmp_path / "run"
-    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == list(range(1, 9))
+    for step in range(1, 16):  # main saved NaN from step 3 on
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(_state(run_dir, step))), step
     for collection in ("params", "opt_state", "buffers"):  # untouched by a skipped step
         _assert_same(_state(run_dir, 2)[collection], _state(run_dir, 3)[collection])
-        _assert_same(_state(run_dir, 5)[collection], _state(run_dir, 8)[collection])
-    assert not np.array_equal(_state(run_dir, 3)["params"]["embed"], _state(run_dir, 4)["params"]["embed"])
-    for step in range(1, 9):
-        assert all(np.isfinite(x).all() for x in jax.tree.leaves(_state(run_dir, step)))
+        _assert_same(_state(run_dir, 5)[collection], _state(run_dir, 15)[collection])
+    embed = [_state(run_dir, step)["params"]["embed"] for step in (3, 4)]
+    assert not np.array_equal(*embed)  # step 4 was a good one
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == list(range(1, 16))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "update skipped" in line]
+    assert [int(line.split(":")[1].split()[1]) for line in lines] == list(poisoned)
+    assert "batch: " in lines[0] and "/act-" in lines[0]  # the scenes in the poisoned batch
     records = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
-    assert [records[s]["skipped_steps"] for s in (2, 3, 5, 6, 8)] == [0, 1, 1, 2, 4]
+    assert [records[s]["skipped_steps"] for s in (2, 3, 5, 6, 15)] == [0, 1, 1, 2, 11]
     assert np.isfinite(records[4]["loss"])
 
 
