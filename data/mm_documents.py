@@ -123,7 +123,8 @@ class DocumentProcessor:
             try:
                 units = self._segment(segment)
             except (MediaError, ValueError) as e:
-                raise DocumentError(f"segment {number} ({segment['type']}): {e}", "bad_media") from None
+                reason = f"segment {number} ({segment['type']}): {e}"
+                raise DocumentError(reason, "bad_media") from None
             for ids, kinds, item in units:
                 if item is not None:
                     unit_spans.append((length, length + len(ids) - 1))

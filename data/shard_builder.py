@@ -294,7 +294,8 @@ def write_documents(
             bar.update(1)
             where, warnings = prepared.where, prepared.warnings
             if prepared.record is not None and prepared.doc_id in first_seen:
-                duplicate = f"duplicate id {prepared.doc_id!r} (first: {first_seen[prepared.doc_id]})"
+                first = first_seen[prepared.doc_id]
+                duplicate = f"duplicate id {prepared.doc_id!r} (first: {first})"
                 if strict:
                     prepared = dataclasses.replace(prepared, record=None, message=duplicate)
                 else:

@@ -84,7 +84,7 @@ class ShardSet:
             return RawRecord(*place, None, f"unreadable record ({_first_line(e)})")
 
     def where(self, record: int) -> str:
-        """'<shard set>/<shard file>#<index in the shard>' of a record number (`RawRecord.record`)."""
+        """'<shard set>/<shard file>#<index in its shard>' of a `RawRecord.record` number."""
         shard, local = self._locate(record)
         return f"{self.directory}/{self.shards[shard]}#{local}"
 

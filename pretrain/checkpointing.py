@@ -149,7 +149,6 @@ class Checkpoints:
             for leftover in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
                 shutil.rmtree(leftover, ignore_errors=True)
 
-
     def _await_other_writes(self) -> None:
         # Orbax (0.12.4) reports the first failed write of a save while the others still write
         # into its temporary folder, which would reappear after we remove it: wait for them

@@ -195,7 +195,9 @@ def staged_output(path: str | os.PathLike, *, overwrite: bool) -> Iterator[pathl
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{directory} exists and is not a directory")
     if directory.exists() and any(directory.iterdir()) and not overwrite:
-        raise FileExistsError(f"{directory} is not empty; pass overwrite (--overwrite) to replace it")
+        raise FileExistsError(
+            f"{directory} is not empty; pass overwrite (--overwrite) to replace it"
+        )
     staging = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -209,7 +211,8 @@ def staged_output(path: str | os.PathLike, *, overwrite: bool) -> Iterator[pathl
     if not directory.exists():
         staging.rename(directory)
         return
-    for old in [directory / CONFIG_FILE, directory / INDEX_FILE, *directory.glob("model*.safetensors")]:
+    shards = directory.glob("model*.safetensors")
+    for old in [directory / CONFIG_FILE, directory / INDEX_FILE, *shards]:
         old.unlink(missing_ok=True)
     for new in sorted(staging.iterdir(), key=lambda f: f.name == CONFIG_FILE):
         new.replace(directory / new.name)

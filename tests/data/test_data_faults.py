@@ -20,8 +20,8 @@ TOK = ByteTokenizer()
 
 
 def _loader(path, **overrides):
-    settings = dict(seq_len=96, batch_size=2, patch_budget=96, seed=3, processor=TINY,
-                    shard_index=0, shard_count=1)  # fmt: skip
+    settings = {"seq_len": 96, "batch_size": 2, "patch_budget": 96, "seed": 3, "processor": TINY,
+                "shard_index": 0, "shard_count": 1}  # fmt: skip
     return MultimodalLoader([path], **{**settings, **overrides})
 
 
@@ -74,7 +74,9 @@ def test_provenance_names_the_records_in_the_last_batch(tmp_path):
     write_documents(documents, tmp_path / "set", shard_size=200, processor=TINY)
     shards = ShardSet(tmp_path / "set")
     assert len(shards.shards) > 1
-    letter_of = {shards[p].where: decode_record(shards[p].data)["doc_id"] for p in range(len(shards))}
+    letter_of = {
+        shards[p].where: decode_record(shards[p].data)["doc_id"] for p in range(len(shards))
+    }
     loader = _loader(tmp_path / "set", seq_len=16, batch_size=2, patch_budget=0)
     for _ in range(4):
         batch = next(loader)
@@ -90,7 +92,8 @@ def test_build_warns_about_suspicious_documents_and_strict_skips_them(tmp_path):
     documents = [
         InputDocument("a:1", "same", "t", "CC0", {}, (("text", "fine"),)),
         InputDocument("a:2", "empty", "t", "CC0", {}, (("text", "  \n"),)),
-        InputDocument("a:3", "tiny", "t", "CC0", {}, (("text", "x"), ("image", png_bytes(rng, 1, 1)))),
+        InputDocument("a:3", "tiny", "t", "CC0", {}, (("text", "x"),
+                                                      ("image", png_bytes(rng, 1, 1)))),
         InputDocument("a:4", "same", "t", "CC0", {}, (("text", "again"),)),
     ]  # fmt: skip
     report = write_documents(documents, tmp_path / "lenient", processor=TINY)

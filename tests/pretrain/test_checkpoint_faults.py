@@ -15,10 +15,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import yaml
+from conftest import REPO
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 from tiny import tiny_run
 
-from conftest import REPO
 from m3jax.config_loading import to_mapping
 from pretrain.checkpointing import CheckpointError, Checkpoints
 from pretrain.train import main, train
@@ -27,7 +27,8 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def _params(run_dir, step):
-    return ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(step) / "state")["params"]
+    state = ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(step) / "state")
+    return state["params"]
 
 
 def _assert_same(a, b):
@@ -160,5 +161,5 @@ def test_no_intact_checkpoint_is_one_line_not_thousands(straight, tmp_path):
 
 def test_an_unusable_checkpoint_directory_is_named_as_not_writable(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(CheckpointError, match=r"file/checkpoints: cannot open or create .*writable"):
+    with pytest.raises(CheckpointError, match=r"file/checkpoints: cannot open or create .*writ"):
         Checkpoints(tmp_path / "file" / "checkpoints", tiny_run().checkpoint)

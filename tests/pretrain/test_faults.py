@@ -1,5 +1,5 @@
-"""Numerical faults: a poisoned batch changes nothing and is named, repeated ones stop the run with a
-checkpoint of the last good state, NaN is never saved, loss spikes are reported."""
+"""Numerical faults: a poisoned batch changes nothing and is named, repeated ones stop the run
+with a checkpoint of the last good state, NaN is never saved, loss spikes are reported."""
 
 import jax
 import jax.numpy as jnp
@@ -119,7 +119,7 @@ def test_fault_monitor_reports_a_loss_spike_with_its_batch():
 
 
 def test_fault_monitor_counts_skips_within_the_window_only():
-    monitor, lines = _monitor(max_skipped_steps=2, skipped_steps_window=5)
+    monitor, _ = _monitor(max_skipped_steps=2, skipped_steps_window=5)
     for step in (1, 4, 7, 10, 13):  # never 3 within 5 steps
         monitor.observe(step, {"skipped": np.bool_(True), "loss": np.float32(np.nan)}, "b")
     monitor.flush()

@@ -12,8 +12,8 @@ import yaml
 from tiny import TINY_VISION, tiny_vision_run
 
 import m3jax
-from m3jax.convert.layout import leaf_shapes, nested
 from m3jax.convert import safetensors_io
+from m3jax.convert.layout import leaf_shapes, nested
 from m3jax.convert.safetensors_io import SafetensorsDirectory, SafetensorsFile, write_file
 from m3jax.model import functional
 from pretrain import hf_export, hf_import
@@ -163,7 +163,8 @@ def _broken_copy(hf_dir, tmp_path, damage):
 
 def _import_fails(hf_dir, run_yaml, tmp_path, capsys):
     output = tmp_path / "out" / "run"
-    assert hf_import.main(["--hf", str(hf_dir), "--output", str(output), "--config", str(run_yaml)]) == 2
+    args = ["--hf", str(hf_dir), "--output", str(output), "--config", str(run_yaml)]
+    assert hf_import.main(args) == 2
     stderr = capsys.readouterr().err
     errors = [line for line in stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in stderr  # the rest: the progress bar
@@ -210,7 +211,8 @@ def test_export_writes_aside_and_a_failed_one_leaves_the_output_untouched(
 ):
     hf_dir, _, run_yaml = checkpoint
     run_dir = tmp_path / "run"
-    assert hf_import.main(["--hf", str(hf_dir), "--output", str(run_dir), "--config", str(run_yaml)]) == 0
+    args = ["--hf", str(hf_dir), "--output", str(run_dir), "--config", str(run_yaml)]
+    assert hf_import.main(args) == 0
     out = tmp_path / "export"
     args = ["--run", str(run_dir), "--output", str(out), "--shard-size", "20KB"]
     real_write = safetensors_io.write_file

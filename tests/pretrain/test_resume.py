@@ -36,7 +36,8 @@ def _main(tmp_path, run_dir, run, *overrides):
 
 def test_continuing_keeps_the_lr_schedule_and_may_change_training_knobs(finished, tmp_path, capsys):
     run_dir = _copy(finished, tmp_path)
-    longer = tiny_run(train={"steps": 8}, model={"remat": "full", "moe": {"bias_update_rate": 0.02}})
+    knobs = {"remat": "full", "moe": {"bias_update_rate": 0.02}}  # training-only
+    longer = tiny_run(train={"steps": 8}, model=knobs)
     summary = train(longer, run_dir)
     assert summary["start_step"] == 6 and summary["end_step"] == 8
     assert "this run's LR schedule decays over 6 steps: kept" in capsys.readouterr().out
@@ -85,7 +86,9 @@ def test_a_mesh_that_does_not_fit_is_one_line_and_leaves_nothing(tmp_path, capsy
     assert not (tmp_path / "run").exists()
 
 
-def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(
+    tmp_path, capsys, monkeypatch
+):
     def broken(run, run_dir):
         raise TypeError("boom")
 

@@ -11,10 +11,10 @@ import time
 
 import pytest
 import yaml
+from conftest import REPO
 from test_multimodal_training import multimodal_run
 from test_train import restored_params, tree_equal
 
-from conftest import REPO
 from m3jax.config_loading import to_mapping
 from pretrain.metrics import read_metrics
 
@@ -29,7 +29,7 @@ def _command(config, run_dir):
 
 
 def _last_logged(run_dir) -> int:
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    records = read_metrics(run_dir / "metrics.jsonl")  # [] before the first step
     return records[-1]["step"] if records else 0
 
 
@@ -75,8 +75,10 @@ def test_soak_random_sigterm_and_sigkill_end_bit_identical(tmp_path):
         # SIGKILL past the next checkpoint (sometimes while it is still being written); SIGTERM
         # anywhere: it saves the step it stops at
         sig = rng.choice([signal.SIGTERM, signal.SIGKILL])
-        target = start + rng.randint(1, 30) if sig == signal.SIGTERM else (
-            (start // EVERY + 1) * EVERY + rng.randint(0, 10)
+        target = (
+            start + rng.randint(1, 30)
+            if sig == signal.SIGTERM
+            else ((start // EVERY + 1) * EVERY + rng.randint(0, 10))
         )
         if not _wait_for_step(process, run_dir, min(target, STEPS)):
             assert process.wait() == 0, process.stderr.read().decode()[-2000:]
@@ -88,7 +90,11 @@ def test_soak_random_sigterm_and_sigkill_end_bit_identical(tmp_path):
         kills[sig] += process.returncode != 0
 
     assert kills[signal.SIGTERM] >= 2 and kills[signal.SIGKILL] >= 2, kills
-    assert tree_equal(restored_params(tmp_path / "straight", STEPS), restored_params(run_dir, STEPS))
-    losses = [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl")]
-    assert losses == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
+    straight_dir = tmp_path / "straight"
+    assert tree_equal(restored_params(straight_dir, STEPS), restored_params(run_dir, STEPS))
+
+    def losses(directory):
+        return [(r["step"], r["loss"]) for r in read_metrics(directory / "metrics.jsonl")]
+
+    assert losses(run_dir) == losses(straight_dir)
     assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
