@@ -8,8 +8,8 @@ process are removed when the directory is opened. Restores go onto the current m
 target carries the shardings.
 
 Failures are reported as one-line errors naming the step: a failed save (`CheckpointSaveError`,
-raised by `save`, `poll` or `wait`; its temporary folder is removed then, and again at every later
-call and at `close`, should writes still in flight recreate it) and an unreadable
+raised by `save`, `poll` or `wait`, once its other writes are done and its temporary folder is
+removed; removed again at later calls and at `close`, to be sure) and an unreadable
 checkpoint (`CheckpointError` from `restore`). Orbax's own error logs about them (tracebacks, from
 its background threads too) and those of the asyncio tasks it runs (thousands of lines for a
 truncated checkpoint) are dropped while a `Checkpoints` is open.
@@ -49,7 +49,9 @@ class Checkpoints:
             raise CheckpointError(f"{self.directory}: exists and is not a directory")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
-            enable_async_checkpointing=config.async_save,
+            # always Orbax's async path (a sync save waits for it at once): its failures can be
+            # cleaned up completely (see _await_other_writes)
+            enable_async_checkpointing=True,
             create=True,
             cleanup_tmp_directories=True,
         )
@@ -61,6 +63,7 @@ class Checkpoints:
                 f"({first_line(e)}); is it writable?"
             ) from None
         self._saving: int | None = None  # step of a save that may still be running
+        self._wait_after_save = not config.async_save
         self._failed_steps: set[int] = set()  # whose temporary folders are to be removed
         self._quiet = contextlib.ExitStack()
         self._quiet.enter_context(quiet_orbax_errors())
@@ -72,7 +75,8 @@ class Checkpoints:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: dict, data_state: dict, progress: dict) -> None:
-        """Starts saving (in the background when async); `poll` or `wait` reports its outcome."""
+        """Starts saving (in the background when async, else completes it); `poll` or `wait`
+        reports the outcome of a background save."""
         self.wait()
         self._remove_leftovers()
         args = ocp.args.Composite(
@@ -83,6 +87,8 @@ class Checkpoints:
         with self._failure_of(step):
             self._manager.save(step, args=args, force=True)
         self._saving = step
+        if self._wait_after_save:
+            self.wait()
 
     def poll(self) -> int | None:
         """Without blocking: the step of a save that just completed, if any; raises
@@ -151,8 +157,7 @@ class Checkpoints:
 
     def _await_other_writes(self) -> None:
         # Orbax (0.12.4) reports the first failed write of a save while the others still write
-        # into its temporary folder, which would reappear after we remove it: wait for them
-        # (reachable for async saves; a sync save's folder is removed again later).
+        # into its temporary folder, which would reappear after we remove it: wait for them.
         checkpointer = getattr(self._manager, "_checkpointer", None)
         background = getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None)
         for write in background or ():

@@ -22,6 +22,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+from data.mm_documents import DataError
 from m3jax.config_loading import to_mapping
 from m3jax.model import functional
 from pretrain.checkpoint_recovery import SaveRetry
@@ -105,12 +106,12 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
 
 
 def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
-    """Runs steps start..total; returns the step reached. Checkpoints at intervals and on a stop
-    (signal or too many non-finite steps; the latter then raises RunError)."""
+    """Runs steps start..total; returns the step reached. Checkpoints at intervals and on a stop:
+    a signal, too many non-finite steps (then raises RunError) or no usable data left (DataError)."""
     total, log_every = run.train.steps, run.logging.every_steps
     pending, window_start, untimed = [], time.perf_counter(), 0
     step = saved = start
-    faults, position = session.faults, None
+    faults, position, data_error = session.faults, None, None
     bar = tqdm(total=total, initial=start, desc="train", unit="step", mininterval=1.0,
                disable=not run.logging.progress_bar, dynamic_ncols=True)  # fmt: skip
     saver = SaveRetry(session.checkpoints, lambda at: session.save(at, loader, position), bar.write)
@@ -122,7 +123,11 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
                 seen = f"{session.tokens_seen:,} tokens seen"
                 bar.write(f"m3-train: step {step}: MSA phase {phase} ({seen})")
             before = loader.state()
-            batch = stop.next_batch(loader)
+            try:
+                batch = stop.next_batch(loader)
+            except DataError as e:  # nothing usable left: keep the steps done, then stop
+                data_error, position = e, before
+                break
             if batch is None:  # a stop signal came while loading: save the position before it
                 position = before
                 break
@@ -143,9 +148,7 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
                 logged.update(skipped_steps=faults.skipped_steps, **loader.skip_counts())
                 writer.write(step, logged)
                 bar.set_postfix(loss=f"{logged['loss']:.3f}", refresh=False)
-                shown = [k for k in LOG_KEYS if k in logged and (logged[k] or k not in COUNT_KEYS)]
-                parts = [f"{k} {logged[k]:.4g}" for k in shown]
-                bar.write(f"step {step:>6}/{total} | " + " | ".join(parts))
+                bar.write(_console_line(step, total, logged))
                 pending, window_start, untimed = [], time.perf_counter(), 0
             if step % run.checkpoint.every_steps == 0 or step == total:
                 faults.flush()
@@ -154,15 +157,22 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig) -> int:
             saver.poll(step)
             bar.update(1)
     faults.flush()
-    if (stop.signum or faults.stop_reason) and step > start and saved != step:
+    if (stop.signum or faults.stop_reason or data_error) and step > start and saved != step:
         saver.save(step)
     saver.finish(step)
     where = f"checkpoint at step {step} saved" if step else "no step done, nothing to save"
     if faults.stop_reason:
         raise RunError(f"{faults.stop_reason}; stopped: {where} (the last good state)")
+    if data_error:
+        raise DataError(f"{data_error}; stopped: {where}")
     if stop.signum:
         print(f"m3-train: {signal.Signals(stop.signum).name}: {where}, stopping", flush=True)
     return step
+
+
+def _console_line(step: int, total: int, logged: dict) -> str:
+    shown = [k for k in LOG_KEYS if k in logged and (logged[k] or k not in COUNT_KEYS)]
+    return f"step {step:>6}/{total} | " + " | ".join(f"{k} {logged[k]:.4g}" for k in shown)
 
 
 def _reduce(window: list[dict], untimed: int, seconds: float) -> dict:
