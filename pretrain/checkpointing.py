@@ -184,35 +184,29 @@ def root_cause(error: BaseException) -> str:
     return first_line(error)
 
 
-class _OrbaxErrors(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
-        return not (from_orbax and record.levelno >= logging.ERROR)
+def _from_orbax_errors(record: logging.LogRecord) -> bool:
+    return f"{os.sep}orbax{os.sep}" in record.pathname and record.levelno >= logging.ERROR
 
 
-@contextlib.contextmanager
 def quiet_orbax_errors():
     """Drops error records (tracebacks) that Orbax's code logs meanwhile, from its background
     threads too: the caller reports the failure itself, in one line."""
-    quiet, logger = _OrbaxErrors(), logging.getLogger("absl")
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
+    return _dropping("absl", _from_orbax_errors)
 
 
-class _DropAll(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
+def _quiet_asyncio():
+    """Drops asyncio's records meanwhile: a failed restore leaves one per unfinished read task."""
+    return _dropping("asyncio", lambda record: True)
 
 
 @contextlib.contextmanager
-def _quiet_asyncio():
-    """Drops asyncio's records meanwhile: a failed restore leaves one per unfinished read task."""
-    drop, logger = _DropAll(), logging.getLogger("asyncio")
-    logger.addFilter(drop)
+def _dropping(logger_name: str, drop):
+    def keep(record: logging.LogRecord) -> bool:
+        return not drop(record)
+
+    logger = logging.getLogger(logger_name)
+    logger.addFilter(keep)
     try:
         yield
     finally:
-        logger.removeFilter(drop)
+        logger.removeFilter(keep)
