@@ -21,6 +21,7 @@ from m3jax.vision_inputs import from_packed_rows
 from pretrain.config import RunConfig
 from pretrain.faults import keep_finite
 from pretrain.loss import document_kinds, load_balance_loss, masked_mean, token_losses
+from pretrain.optimizer import applied_updates
 
 Batch = dict[str, jax.Array]  # tokens, targets, positions, segment_ids: [B, S] int32; loss_mask
 
@@ -110,7 +111,7 @@ def make_train_step(
         metrics.update(
             loss=loss,
             grad_norm=grad_norm,
-            lr=schedule(state["step"]),
+            lr=schedule(applied_updates(state["opt_state"])),  # the LR this update used
             tokens=(batch["segment_ids"] > 0).sum(),
             skipped=skipped,
         )

@@ -84,6 +84,7 @@ def test_poisoned_batches_are_skipped_named_and_stop_the_run_when_repeated(
     records = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
     assert [records[s]["skipped_steps"] for s in (2, 3, 5, 6, 15)] == [0, 1, 1, 2, 11]
     assert np.isfinite(records[4]["loss"])
+    assert records[4]["lr"] == records[3]["lr"] > records[2]["lr"]  # the schedule waited a step
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):
@@ -128,3 +129,13 @@ def test_fault_monitor_counts_skips_within_the_window_only():
     monitor.observe(15, {"skipped": np.bool_(True), "loss": np.float32(np.nan)}, "b")
     monitor.flush()
     assert monitor.stop_reason.startswith("3 of the last 5 steps (up to step 14)")
+
+
+def test_summary_names_the_step_of_each_document_kinds_last_loss():
+    """A kind of document missing from the last logging windows (NaN there) is reported with the
+    step it was last seen at, not as if it were current."""
+    history = [
+        {"step": 1, "nll_text_docs": 5.0, "nll_video_docs": 6.0},
+        {"step": 50, "nll_text_docs": 3.0, "nll_video_docs": float("nan")},
+    ]
+    assert pretrain.train._last_by_document(history) == {"text": (50, 3.0), "video": (1, 6.0)}
