@@ -27,22 +27,32 @@ from data.vision_processing import (
 )
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # modality ids in batches
+# Why a record is skipped: unreadable shard or record, not a valid record, media that do not
+# decode or process, a vision unit larger than a row.
+SKIP_REASONS = ("unreadable", "malformed", "bad_media", "too_large")
 
 
 class DocumentError(ValueError):
-    """A record that cannot become training data; the message is the reason."""
+    """A record that cannot become training data; the message is the reason, `kind` one of
+    SKIP_REASONS."""
+
+    def __init__(self, message: str, kind: str = "bad_media"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class DataError(RuntimeError):
-    """Raised under the `fail` policy; the message names the shard, record index and reason."""
+    """Raised under the `fail` policy, and when nothing usable is left under `skip`; the message
+    names the shard set, shard, record index and reason."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Skipped:
-    """Placeholder for a record dropped under the `skip` policy."""
+    """Placeholder for a record dropped under the `skip` policy; kind: one of SKIP_REASONS."""
 
     where: str
     reason: str
+    kind: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +77,7 @@ class Document:
     feature_of_token: np.ndarray
     cuts: np.ndarray
     patches_before: np.ndarray
+    origin: tuple[int, int] = (-1, -1)  # (source in the mixture, record in its shard set)
 
     @property
     def num_pairs(self) -> int:
@@ -90,14 +101,19 @@ class DocumentProcessor:
     def __call__(self, raw: RawRecord):
         try:
             if raw.error:
-                raise DocumentError(raw.error)
-            return self.process(raw.where, decode_record(raw.data))
-        except (DocumentError, MediaError, ShardFormatError) as e:
+                raise DocumentError(raw.error, "unreadable")
+            try:
+                record = decode_record(raw.data)
+            except ShardFormatError as e:
+                raise DocumentError(str(e), "malformed") from None
+            document = self.process(raw.where, record)
+        except DocumentError as e:
             if self.on_error == "fail":
                 raise DataError(f"{raw.where}: {e}") from None
-            return Skipped(raw.where, str(e))
+            return Skipped(raw.where, str(e), e.kind)
         except Exception as e:  # a bug, not bad data: stop under any policy, naming the record
             raise DataError(f"{raw.where}: unexpected {type(e).__name__}: {e}") from e
+        return dataclasses.replace(document, origin=(raw.source, raw.record))
 
     def process(self, where: str, record: dict) -> Document:
         tok = self.tokenizer
@@ -107,7 +123,8 @@ class DocumentProcessor:
             try:
                 units = self._segment(segment)
             except (MediaError, ValueError) as e:
-                raise DocumentError(f"segment {number} ({segment['type']}): {e}") from None
+                reason = f"segment {number} ({segment['type']}): {e}"
+                raise DocumentError(reason, "bad_media") from None
             for ids, kinds, item in units:
                 if item is not None:
                     unit_spans.append((length, length + len(ids) - 1))
@@ -196,7 +213,8 @@ def cut_points(
         if end - start + 1 > seq_len or count > budget:
             raise DocumentError(
                 f"a vision unit of {end - start + 1} tokens and {count} patches does not fit "
-                f"one row (seq_len={seq_len}, patch_budget={budget})"
+                f"one row (seq_len={seq_len}, patch_budget={budget})",
+                "too_large",
             )
         allowed[start + 1 : end + 1] = False
         starting[start] += count

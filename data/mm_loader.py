@@ -14,8 +14,12 @@ Grain stages, in order:
 With workers, each worker reads every num_workers-th document of this process's stream, packs
 and batches its own documents; batches arrive round-robin, so the order is a function of the
 seed and of num_workers (keep num_workers when resuming). `state()` is Grain's iterator state
-(plain JSON) plus the skip counter; after `restore(state)` the next batch is bit-identical to the
-one the uninterrupted run would have produced.
+(plain JSON) plus the document counters; after `restore(state)` the next batch is bit-identical to
+the one the uninterrupted run would have produced.
+
+Bad records are skipped (counted by reason: `skip_counts()`) or stop the run (`on_error`); more
+than `max_consecutive_skips` unusable documents in a row, or a whole epoch of them, raise
+DataError (data/packing.py). `provenance()` names the records of the last batch.
 
 Batch arrays (B = batch_size, S = seq_len, P = patch_budget, D = 3·2·14·14 = 1176):
   tokens, targets, segment_ids, positions  int32 [B, S]   (segment 0 = padding)
@@ -38,8 +42,9 @@ from collections.abc import Callable, Sequence
 import grain
 import numpy as np
 
-from data.mm_documents import IMAGE, TEXT, VIDEO, DocumentProcessor
+from data.mm_documents import IMAGE, SKIP_REASONS, TEXT, VIDEO, DocumentProcessor
 from data.packing import PackIterDataset
+from data.provenance import describe
 from data.shard_reader import ShardSet
 from data.tokenizer import ByteTokenizer
 from data.vision_processing import ProcessorConfig
@@ -70,6 +75,7 @@ class MultimodalLoader:
         num_workers: Grain worker processes (0 = decode in this process).
         num_bins: open rows per packing window (default 2·B); strategy: first_fit | best_fit.
         on_error: "skip" (count, warn every 100) or "fail" (DataError naming shard and record).
+        max_consecutive_skips: under "skip", DataError after more unusable documents in a row.
         shard_index, shard_count: this process's share; default jax.process_index()/count().
         num_epochs: None repeats forever; an int ends the iterator after that many epochs.
     """
@@ -88,6 +94,7 @@ class MultimodalLoader:
         num_bins: int | None = None,
         strategy: str = "first_fit",
         on_error: str = "skip",
+        max_consecutive_skips: int = 1000,
         shard_index: int | None = None,
         shard_count: int | None = None,
         num_epochs: int | None = None,
@@ -109,9 +116,14 @@ class MultimodalLoader:
         if not self.sources:
             raise ValueError("MultimodalLoader needs at least one shard set")
         self.batch_size, self.patch_dim = batch_size, processor.patch_dim
-        self.skipped_documents = 0
+        self.documents_read = 0
+        self.skipped_by_reason = dict.fromkeys(SKIP_REASONS, 0)
         self.batches = 0
-        shard_sets = [_LockedShardSet(ShardSet(s.path, keep=s.keep)) for s in self.sources]
+        self._last_records: list[tuple[int, int]] = []  # (source, record) of the last batch
+        shard_sets = [
+            _LockedShardSet(ShardSet(s.path, keep=s.keep), i) for i, s in enumerate(self.sources)
+        ]
+        self._shard_sets = shard_sets
         for source, shards in zip(self.sources, shard_sets):
             if len(shards) == 0:
                 raise ValueError(f"{source.path}: no records (after filtering)")
@@ -141,6 +153,8 @@ class MultimodalLoader:
             num_bins=num_bins or 2 * batch_size,
             strategy=strategy,
             pad_id=self.tokenizer.pad_id,
+            max_consecutive_skips=max_consecutive_skips,
+            epoch_documents=sum(len(shards) for shards in shard_sets),
         )
         batched = packed.batch(batch_size, drop_remainder=num_epochs is not None)
         if num_workers:
@@ -156,7 +170,11 @@ class MultimodalLoader:
 
     def __next__(self) -> dict[str, np.ndarray]:
         batch = dict(next(self._iterator))
-        self.skipped_documents += int(batch.pop("skipped_documents").sum())
+        counts = batch.pop("document_counts").sum(axis=0)
+        self.documents_read += int(counts[0])
+        for reason, count in zip(SKIP_REASONS, counts[1:]):
+            self.skipped_by_reason[reason] += int(count)
+        self._last_records = _distinct_records(batch.pop("doc_source"), batch.pop("doc_record"))
         if "patches" not in batch:  # patch_budget 0: the packer leaves out empty vision arrays
             rows = batch["tokens"].shape[0]
             batch["patches"] = np.zeros((rows, 0, self.patch_dim), np.float32)
@@ -165,13 +183,31 @@ class MultimodalLoader:
         self.batches += 1
         return batch
 
+    @property
+    def skipped_documents(self) -> int:
+        return sum(self.skipped_by_reason.values())
+
+    def skip_counts(self) -> dict[str, int]:
+        """Documents read and skipped so far (all sessions), by reason: for metrics and summary."""
+        by_reason = {f"skipped_{reason}": n for reason, n in self.skipped_by_reason.items()}
+        return {
+            "documents_read": self.documents_read,
+            "skipped_documents": self.skipped_documents,
+            **by_reason,
+        }
+
+    def provenance(self) -> str:
+        """The records in the last batch, e.g. 'shards/web/shard-00003.array_record#17, ...'."""
+        return describe([self._shard_sets[s].where(r) for s, r in self._last_records])
+
     def state(self) -> dict:
         """JSON-serialisable position: restore() continues with exactly the next batch."""
         return {
             "version": STATE_VERSION,
             "fingerprint": self._fingerprint,
             "batches": self.batches,
-            "skipped_documents": self.skipped_documents,
+            "documents_read": self.documents_read,
+            "skipped_by_reason": dict(self.skipped_by_reason),
             "grain": _to_json(self._iterator.get_state()),
         }
 
@@ -187,7 +223,9 @@ class MultimodalLoader:
             )
         self._iterator.set_state(_from_json(state["grain"]))
         self.batches = int(state["batches"])
-        self.skipped_documents = int(state["skipped_documents"])
+        self.documents_read = int(state.get("documents_read", 0))  # absent in older states
+        skipped = state.get("skipped_by_reason", {})
+        self.skipped_by_reason = {r: int(skipped.get(r, 0)) for r in SKIP_REASONS}
 
     def close(self) -> None:
         """Stops worker processes (also done when the loader is garbage collected)."""
@@ -208,10 +246,11 @@ def modality_counts(batch: dict[str, np.ndarray]) -> dict[str, int]:
 
 
 class _LockedShardSet:
-    """A ShardSet whose reads are serialised: Grain reads with several threads."""
+    """A ShardSet whose reads are serialised (Grain reads with several threads) and marked with
+    the set's place in the mixture (`RawRecord.source`)."""
 
-    def __init__(self, shards: ShardSet):
-        self._shards = shards
+    def __init__(self, shards: ShardSet, source: int):
+        self._shards, self._source = shards, source
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -219,18 +258,29 @@ class _LockedShardSet:
 
     def __getitem__(self, index):
         with self._lock:
-            return self._shards[index]
+            return dataclasses.replace(self._shards[index], source=self._source)
 
     def __getstate__(self):
-        return {"_shards": self._shards}
+        return {"_shards": self._shards, "_source": self._source}
 
     def __setstate__(self, state):
-        self._shards = state["_shards"]
+        self._shards, self._source = state["_shards"], state["_source"]
         self._lock = threading.Lock()
 
     @property
     def manifest(self) -> dict:
         return self._shards.manifest
+
+    def where(self, record: int) -> str:
+        return self._shards.where(record)
+
+
+def _distinct_records(source: np.ndarray, record: np.ndarray) -> list[tuple[int, int]]:
+    """(source, record) of the documents in a batch, in order of appearance, padding left out."""
+    source, record = source.ravel(), record.ravel()
+    starts = (np.diff(source, prepend=-2) != 0) | (np.diff(record, prepend=-2) != 0)
+    pairs = zip(source[starts].tolist(), record[starts].tolist())
+    return list(dict.fromkeys((s, r) for s, r in pairs if s >= 0))
 
 
 def _use_absl_defaults() -> None:

@@ -12,11 +12,16 @@ JSON: the parent iterator's state before that document, the offset, and how many
 window were already emitted. Restoring re-reads and re-packs that window (deterministically)
 and drops the rows already emitted.
 
-Row arrays (S = seq_len, P = patch_budget, D = patch features):
+Unusable documents (`Skipped`) are counted by reason; more than `max_consecutive_skips` of them in
+a row, or as many in a row as one epoch holds, raise DataError: a data set with nothing usable left
+stops the run instead of being skipped through forever.
+
+Row arrays (S = seq_len, P = patch_budget, D = patch features, R = len(SKIP_REASONS)):
   tokens, targets, segment_ids, positions, feature_index [S] int32; loss_mask [S] float32;
   modality [S] int8; patches [P, D] float32; patch_positions [P, 3] int32;
-  patch_segment_ids [P] int32; skipped_documents [] int32 (documents skipped while filling
-  this row's window, counted on the window's first row only).
+  patch_segment_ids [P] int32; doc_source, doc_record [S] int32: the document of each token
+  (its `Document.origin`, -1 on padding); document_counts [1 + R] int32: documents read, then
+  skipped by reason, while filling this row's window (on the window's first row only).
 """
 
 import copy
@@ -25,7 +30,7 @@ import logging
 import grain
 import numpy as np
 
-from data.mm_documents import Document, Skipped, next_cut
+from data.mm_documents import SKIP_REASONS, DataError, Document, Skipped, next_cut
 
 LOG = logging.getLogger("m3jax.data")
 STRATEGIES = ("first_fit", "best_fit")
@@ -37,14 +42,17 @@ class PackIterDataset(grain.IterDataset):
     """Packs the `Document | Skipped` elements of `parent` into fixed-shape rows."""
 
     def __init__(
-        self, parent, *, seq_len, patch_budget, patch_dim, merge_rows, num_bins, strategy, pad_id
-    ):
+        self, parent, *, seq_len, patch_budget, patch_dim, merge_rows, num_bins, strategy, pad_id,
+        max_consecutive_skips=1000, epoch_documents=None,
+    ):  # fmt: skip
         super().__init__(parent)
         if strategy not in STRATEGIES:
             raise ValueError(f"packing strategy {strategy!r} is not one of {STRATEGIES}")
         self.seq_len, self.patch_budget, self.patch_dim = seq_len, patch_budget, patch_dim
         self.merge_rows = merge_rows  # patches per merged feature row (spatial_merge_size²)
         self.num_bins, self.strategy, self.pad_id = num_bins, strategy, pad_id
+        self.max_consecutive_skips = max_consecutive_skips
+        self.epoch_documents = epoch_documents  # documents in one pass over the data, if known
 
     def __iter__(self):
         return _PackIterator(self._parent.__iter__(), self)
@@ -63,6 +71,7 @@ class _PackIterator(grain.DatasetIterator):
         self._carry = None  # (parent state before it, Document, offset) opening the next window
         self._exhausted = False
         self._skipped_total = 0
+        self._skipped_in_a_row = 0
 
     def __next__(self) -> dict:
         while not self._ready:
@@ -88,7 +97,7 @@ class _PackIterator(grain.DatasetIterator):
         """Packs one window into self._ready; remembers where the next window starts."""
         spec = self._spec
         bins: list[_Bin] = []
-        skipped = 0
+        counts = np.zeros(1 + len(SKIP_REASONS), np.int32)  # read, then skipped by reason
         if self._carry is not None:
             parent_state, document, position = self._carry
             self._carry = None
@@ -107,10 +116,12 @@ class _PackIterator(grain.DatasetIterator):
                     break
                 position = 0
                 if isinstance(document, Skipped):
-                    skipped += 1
+                    counts[1 + SKIP_REASONS.index(document.kind)] += 1
                     self._note_skip(document, replay)
                     document = None
                     continue
+                counts[0] += 1
+                self._skipped_in_a_row = 0
             while position < document.num_pairs:
                 stop = next_cut(document, position, spec.seq_len, spec.patch_budget)
                 placed = self._place(bins, document, position, stop)
@@ -121,7 +132,7 @@ class _PackIterator(grain.DatasetIterator):
             document = None
         self._ready = [b.to_row(spec) for b in bins]
         if self._ready:
-            self._ready[0]["skipped_documents"] = np.int32(skipped)
+            self._ready[0]["document_counts"] = counts
 
     def _place(self, bins: list, document: Document, start: int, stop: int) -> int:
         """Places pairs [start, stop) (cut if needed); returns the first pair not placed."""
@@ -154,6 +165,18 @@ class _PackIterator(grain.DatasetIterator):
         return stop
 
     def _note_skip(self, skipped: Skipped, replay: bool) -> None:
+        self._skipped_in_a_row += 1
+        spec, in_a_row = self._spec, self._skipped_in_a_row
+        if in_a_row > spec.max_consecutive_skips or in_a_row == spec.epoch_documents:
+            limit = (
+                f"as many as the data holds ({in_a_row}): none of it is usable"
+                if in_a_row == spec.epoch_documents
+                else f"more than data.max_consecutive_skips={spec.max_consecutive_skips}"
+            )
+            raise DataError(
+                f"{in_a_row} unusable documents in a row, {limit}; the latest: {skipped.where}: "
+                f"{skipped.reason}"
+            )
         if replay:
             return
         self._skipped_total += 1
@@ -202,7 +225,9 @@ class _Bin:
             "patches": np.zeros((P, spec.patch_dim), np.float32),
             "patch_positions": np.zeros((P, 3), np.int32),
             "patch_segment_ids": np.zeros(P, np.int32),
-            "skipped_documents": np.int32(0),
+            "doc_source": np.full(S, -1, np.int32),
+            "doc_record": np.full(S, -1, np.int32),
+            "document_counts": np.zeros(1 + len(SKIP_REASONS), np.int32),
         }
         if P == 0:  # text only: no vision arrays (Grain's shared memory cannot hold empty ones)
             for key in VISION_KEYS:
@@ -218,6 +243,7 @@ class _Bin:
             row["positions"][span] = np.arange(n)
             row["loss_mask"][span] = document.loss_target[start + 1 : stop + 1]
             row["modality"][span] = document.modality[start:stop]
+            row["doc_source"][span], row["doc_record"][span] = document.origin
             first, last = _piece_patches(document, start, stop)
             features = document.feature_of_token[start:stop]
             row["feature_index"][span] = np.where(

@@ -2,7 +2,10 @@
 
 Inputs come from `data/shard_inputs.py` (a JSONL manifest or a document folder). Every image and video is decoded once; media over the `MediaLimits` are re-encoded to fit;
 anything undecodable, missing or malformed is skipped with its reason, and the report lists them.
-Shards are written as `.tmp-*` files and renamed when complete; the manifest is written last.
+Documents that are valid but suspicious are written with a warning, or skipped with `strict`:
+an empty document (no text, no media), an image smaller than one ViT patch on a side, a doc_id seen
+before. Shards are written as `.tmp-*` files and renamed when complete; the manifest is written
+last.
 """
 
 import dataclasses
@@ -47,6 +50,7 @@ class BuildReport:
     bytes: int = 0
     skipped: list = dataclasses.field(default_factory=list)  # (where, reason)
     notes: list = dataclasses.field(default_factory=list)  # (where, what was re-encoded)
+    warnings: list = dataclasses.field(default_factory=list)  # (where, what looks wrong)
     totals: dict = dataclasses.field(default_factory=dict)
 
 
@@ -55,18 +59,31 @@ class BuildReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A checked document: `record` = (record bytes, index row), or None when it is skipped and
+    `message` says why; otherwise `message` says what was re-encoded (or None)."""
+
+    where: str
+    doc_id: str
+    record: tuple | None
+    message: str | None
+    warnings: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
 class Preparer:
-    """Turns an InputDocument into (record bytes, index row, notes); raises ValueError to skip."""
+    """Turns an InputDocument into a `Prepared`. strict: a warning skips the document."""
 
     limits: MediaLimits
     processor: ProcessorConfig
     max_tokens: int | None = None
+    strict: bool = False
 
     def __call__(self, document: InputDocument):
         try:
             return self.prepare(document)
         except (MediaError, ShardFormatError, ValueError, OSError) as e:
-            return document.where, None, str(e)
+            return Prepared(document.where, document.doc_id, None, str(e), [])
 
     def prepare(self, document: InputDocument):
         segments, notes = [], []
@@ -96,7 +113,11 @@ class Preparer:
             raise ValueError(
                 f"document of ~{int(row['est_tokens'])} tokens exceeds --max-tokens {self.max_tokens}"
             )
-        return document.where, (data, row), "; ".join(notes) or None
+        warnings = content_warnings(segments, self.processor.patch_size)
+        if warnings and self.strict:
+            raise ValueError("; ".join(warnings) + " (strict)")
+        notes = "; ".join(notes) or None
+        return Prepared(document.where, document.doc_id, (data, row), notes, warnings)
 
     def _media(self, kind: str, data: bytes):
         if kind == "image":
@@ -120,6 +141,20 @@ class Preparer:
             "duration": info.duration,
         }
         return segment, note
+
+
+def content_warnings(segments: list[dict], patch_size: int) -> list[str]:
+    """What is valid but likely a mistake in a document's segments."""
+    warnings = []
+    if not any(s["type"] != "text" or s["text"].strip() for s in segments):
+        warnings.append("empty document (no text, no media)")
+    for number, segment in enumerate(segments):
+        if segment["type"] == "image" and min(segment["height"], segment["width"]) < patch_size:
+            warnings.append(
+                f"segment {number}: image of {segment['width']}x{segment['height']} pixels, "
+                f"smaller than one {patch_size}x{patch_size} patch"
+            )
+    return warnings
 
 
 def _read_bytes(path: pathlib.Path) -> bytes:
@@ -245,22 +280,35 @@ def write_documents(
     progress: bool = False,
     info: dict | None = None,
     total: int | None = None,
+    strict: bool = False,
 ) -> BuildReport:
-    """Checks and writes documents in order (independent of `workers`); returns the report."""
+    """Checks and writes documents in order (independent of `workers`); returns the report.
+    strict: skip documents that would only be warned about (see the module doc)."""
     writer = ShardSetWriter(output, shard_size=shard_size, processor=processor, info=info or {})
     report = BuildReport(str(output))
-    prepare = Preparer(limits, processor, max_tokens)
+    prepare = Preparer(limits, processor, max_tokens, strict)
+    first_seen: dict[str, str] = {}  # doc_id -> where it was first written
     bar = tqdm(total=total, desc="m3-shards build", unit="doc", disable=not progress)
     with bar, _mapper(workers) as mapper:
-        for where, result, message in mapper(prepare, documents):
+        for prepared in mapper(prepare, documents):
             bar.update(1)
-            if result is None:
-                report.skipped.append((where, message))
+            where, warnings = prepared.where, prepared.warnings
+            if prepared.record is not None and prepared.doc_id in first_seen:
+                first = first_seen[prepared.doc_id]
+                duplicate = f"duplicate id {prepared.doc_id!r} (first: {first})"
+                if strict:
+                    prepared = dataclasses.replace(prepared, record=None, message=duplicate)
+                else:
+                    warnings = [*warnings, duplicate]
+            if prepared.record is None:
+                report.skipped.append((where, prepared.message))
                 continue
-            writer.add(*result)
+            first_seen[prepared.doc_id] = where
+            writer.add(*prepared.record)
             report.documents += 1
-            if message:
-                report.notes.append((where, message))
+            if prepared.message:
+                report.notes.append((where, prepared.message))
+            report.warnings += [(where, warning) for warning in warnings]
     manifest = writer.close()
     report.shards = len(manifest["shards"])
     report.bytes = sum(s["bytes"] for s in manifest["shards"])

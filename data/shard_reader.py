@@ -4,7 +4,7 @@
 opened; record reads are lazy and per process (the object pickles without its open readers, so
 Grain worker processes reopen the files). A read never raises: it returns a `RawRecord` whose
 `error` says what went wrong (truncated shard, checksum mismatch, ...), so the pipeline can skip
-or stop according to its policy with the shard and index in the message.
+or stop according to its policy with the shard set, shard and index in the message.
 """
 
 import dataclasses
@@ -19,16 +19,21 @@ from data.shard_format import INDEX_DTYPE, ShardFormatError, read_manifest
 
 @dataclasses.dataclass(frozen=True)
 class RawRecord:
-    """The bytes of record `index` of `shard` (None when unreadable, with `error` saying why)."""
+    """The bytes of record `index` of `shard` in the folder `shard_set` (None when unreadable,
+    with `error` saying why). record: its number in the whole set (for provenance); source: the
+    set's place in a loader's mixture (-1 outside one)."""
 
+    shard_set: str
     shard: str
     index: int
+    record: int
     data: bytes | None
     error: str | None = None
+    source: int = -1
 
     @property
     def where(self) -> str:
-        return f"{self.shard}#{self.index}"
+        return f"{self.shard_set}/{self.shard}#{self.index}"
 
 
 class ShardSet:
@@ -68,16 +73,24 @@ class ShardSet:
     def __getitem__(self, position: int) -> RawRecord:
         """The record at `position` of this (possibly filtered) set."""
         record = int(self.records[position])
-        shard = int(np.searchsorted(self._starts, record, side="right") - 1)
-        local = record - int(self._starts[shard])
-        name = self.shards[shard]
+        shard, local = self._locate(record)
+        place = (str(self.directory), self.shards[shard], local, record)
         reader = self._reader(shard)
         if reader is None:
-            return RawRecord(name, local, None, self._broken[shard])
+            return RawRecord(*place, None, self._broken[shard])
         try:
-            return RawRecord(name, local, reader.read([local])[0])
+            return RawRecord(*place, reader.read([local])[0])
         except Exception as e:  # riegeli reports corruption as RuntimeError, others vary
-            return RawRecord(name, local, None, f"unreadable record ({_first_line(e)})")
+            return RawRecord(*place, None, f"unreadable record ({_first_line(e)})")
+
+    def where(self, record: int) -> str:
+        """'<shard set>/<shard file>#<index in its shard>' of a `RawRecord.record` number."""
+        shard, local = self._locate(record)
+        return f"{self.directory}/{self.shards[shard]}#{local}"
+
+    def _locate(self, record: int) -> tuple[int, int]:
+        shard = int(np.searchsorted(self._starts, record, side="right") - 1)
+        return shard, record - int(self._starts[shard])
 
     def _reader(self, shard: int):
         if shard in self._readers or shard in self._broken:

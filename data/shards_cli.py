@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--license", help="licence of documents that do not name one")
     build.add_argument("--source", help="source of documents that do not name one")
     build.add_argument("--max-tokens", type=int, help="skip documents estimated longer")
+    build.add_argument(
+        "--strict", action="store_true",
+        help="skip what is otherwise written with a warning: empty documents, images smaller "
+        "than one patch, repeated ids",
+    )  # fmt: skip
     limits = MediaLimits()
     for field in dataclasses.fields(MediaLimits):
         build.add_argument(
@@ -98,6 +103,7 @@ def _build(args) -> int:
         progress=not args.no_progress,
         info={"built_from": str(args.input), "media_limits": dataclasses.asdict(limits)},
         total=len(documents),
+        strict=args.strict,
     )
     report.skipped = sorted(problems + report.skipped, key=lambda item: _natural(item[0]))
     totals = report.totals
@@ -109,6 +115,8 @@ def _build(args) -> int:
     )
     for where, note in report.notes:
         print(f"  re-encoded  {where}: {note}")
+    for where, warning in report.warnings:
+        print(f"  warning     {where}: {warning}")
     if report.skipped:
         print(f"m3-shards: skipped {len(report.skipped)} input(s):")
         for where, reason in report.skipped:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from data.provenance import describe
 from data.text_corpus import Document
 from data.tokenizer import ByteTokenizer
 
@@ -63,9 +64,8 @@ class PackedTextLoader:
             raise ValueError(f"{batch_size=} must be an int >= 1")
         if not _is_int(seed) or seed < 0:
             raise ValueError(f"{seed=} must be a non-negative int")
-        encoded = [
-            tokenizer.encode(doc.text, add_bos=True, add_eos=True) for doc in documents if doc.text
-        ]
+        kept = [doc for doc in documents if doc.text]
+        encoded = [tokenizer.encode(doc.text, add_bos=True, add_eos=True) for doc in kept]
         if not encoded:
             raise ValueError(
                 f"PackedTextLoader: all {len(documents)} documents are empty; "
@@ -84,6 +84,8 @@ class PackedTextLoader:
         self._digest = _corpus_digest(self._tokens, self._starts)
         self._rows_emitted = 0
         self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._doc_ids = [doc.doc_id for doc in kept]
+        self._last_documents = np.zeros(0, np.int64)  # of the last batch, where each starts
 
     @property
     def epoch(self) -> int:
@@ -94,9 +96,18 @@ class PackedTextLoader:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = self._rows(self._rows_emitted, self.batch_size)
+        batch, document = self._rows(self._rows_emitted, self.batch_size)
+        self._last_documents = document[np.flatnonzero(np.diff(document, prepend=-1))]
         self._rows_emitted += self.batch_size
         return batch
+
+    def provenance(self) -> str:
+        """The documents of the last batch, e.g. 'hamlet/act-1/scene-2, ...'."""
+        return describe([self._doc_ids[d] for d in self._last_documents])
+
+    def skip_counts(self) -> dict[str, int]:
+        """Nothing is ever skipped here (the multimodal loader counts its skips)."""
+        return {}
 
     def state(self) -> dict:
         """Returns a JSON-serialisable dict from which `restore` resumes at the next batch."""
@@ -135,7 +146,8 @@ class PackedTextLoader:
                 )
         self._rows_emitted = rows
 
-    def _rows(self, first_row: int, num_rows: int) -> dict[str, np.ndarray]:
+    def _rows(self, first_row: int, num_rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """(batch, document of each position) of rows first_row..first_row + num_rows."""
         shape = (num_rows, self.seq_len)
         # Stream offset of every position: g = row * S + column.
         offsets = first_row * self.seq_len + np.arange(num_rows * self.seq_len, dtype=np.int64)
@@ -153,13 +165,14 @@ class PackedTextLoader:
         segment_start = np.maximum(doc_start, row_start).reshape(shape)
         is_new = np.zeros(shape, dtype=np.int32)
         is_new[:, 1:] = segment_start[:, 1:] != segment_start[:, :-1]
-        return {
+        batch = {
             "tokens": self._tokens[index].reshape(shape),
             "targets": self._tokens[index + 1].reshape(shape),
             "segment_ids": (1 + np.cumsum(is_new, axis=1)).astype(np.int32),
             "positions": (offsets.reshape(shape) - segment_start).astype(np.int32),
             "loss_mask": np.ones(shape, dtype=np.float32),
         }
+        return batch, document
 
     def _epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Returns (document order, cumulative pair counts in that order) of one epoch."""

@@ -21,6 +21,8 @@ import tensorstore as ts
 from etils import epath
 from orbax.checkpoint import type_handlers
 
+from pretrain.checkpointing import quiet_orbax_errors
+
 CACHE_BYTES = 2 << 30
 IN_FLIGHT = 16
 Blocks = Callable[[], Iterator[tuple[tuple, np.ndarray]]]  # -> (index into the array, value)
@@ -108,15 +110,16 @@ def save_streamed(step_dir: pathlib.Path, state: dict, data_state: dict, progres
             progress=ocp.JsonCheckpointHandler(),
         )
     )
-    checkpointer.save(
-        epath.Path(pathlib.Path(step_dir).absolute()),
-        ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state),
-            data=ocp.args.JsonSave(data_state),
-            progress=ocp.args.JsonSave(progress),
-        ),
-    )
-    checkpointer.close()
+    with quiet_orbax_errors():  # a failing block (bad input) is reported by the caller
+        checkpointer.save(
+            epath.Path(pathlib.Path(step_dir).absolute()),
+            ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state),
+                data=ocp.args.JsonSave(data_state),
+                progress=ocp.args.JsonSave(progress),
+            ),
+        )
+        checkpointer.close()
 
 
 def open_leaves(state_dir: pathlib.Path) -> dict[tuple[str, ...], ts.TensorStore]:

@@ -35,6 +35,8 @@ class DataConfig:
     patch_budget: int = 0  # ViT patch rows per training row (images/videos never split across rows)
     workers: int = 0  # Grain worker processes for decoding (0 = in the training process)
     on_error: str = "skip"  # bad record: "skip" (counted, warned) or "fail" (stop, naming it)
+    # "skip": stop after this many unusable documents in a row (or a whole data set of them)
+    max_consecutive_skips: int = 1000
     processor: ProcessorConfig = ProcessorConfig()  # image/video processing; defaults are M3's
     seq_len: int = 256
     batch_size: int = 8  # rows per step, global
@@ -60,6 +62,8 @@ class DataConfig:
             raise ValueError(
                 f"workers={self.workers} must be >= 0, on_error={self.on_error!r} skip|fail"
             )
+        if self.max_consecutive_skips < 1:
+            raise ValueError(f"max_consecutive_skips={self.max_consecutive_skips} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,6 +79,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     clip_norm: float = 1.0
     z_loss_weight: float = 0.0  # weight of mean(logsumexp(logits)²), PaLM's z-loss; 0 disables
+    # Steps the cosine decays over (None: train.steps). Saved in every checkpoint: a resumed run
+    # keeps the saved horizon unless this is set (pretrain/resume_checks.py).
+    schedule_steps: int | None = None
 
     def __post_init__(self):
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -83,6 +90,8 @@ class OptimizerConfig:
             )
         if self.warmup_steps < 0 or self.clip_norm <= 0 or self.weight_decay < 0:
             raise ValueError("warmup_steps and weight_decay must be >= 0, clip_norm > 0")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise ValueError(f"schedule_steps={self.schedule_steps} must be >= 1 (or null)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,11 +101,20 @@ class TrainConfig:
     # Each step's batch (data.batch_size rows) runs as this many micro-batches whose gradients add
     # up to the whole batch's (pretrain/accumulation.py): activation memory / k, same update.
     grad_accum_steps: int = 1
+    # Steps with a non-finite loss or gradient are skipped (nothing changes); more than
+    # max_skipped_steps of them within skipped_steps_window steps stop the run.
+    max_skipped_steps: int = 10
+    skipped_steps_window: int = 100
 
     def __post_init__(self):
         if self.steps < 1 or self.grad_accum_steps < 1:
             raise ValueError(
                 f"steps={self.steps} and grad_accum_steps={self.grad_accum_steps} must be >= 1"
+            )
+        if self.max_skipped_steps < 0 or self.skipped_steps_window < 1:
+            raise ValueError(
+                f"max_skipped_steps={self.max_skipped_steps} must be >= 0 and "
+                f"skipped_steps_window={self.skipped_steps_window} >= 1"
             )
 
 
@@ -124,6 +142,8 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
+    # An unreadable latest checkpoint: restore the newest intact older one (false: stop instead)
+    restore_older_if_corrupt: bool = True
 
     def __post_init__(self):
         if self.every_steps < 1 or self.keep < 1:
@@ -138,12 +158,15 @@ class LoggingConfig:
     # Every N steps, measure how many of the dense attention's top blocks each MSA selection keeps
     # (costs a dense attention pass per sparse layer); 0 disables.
     msa_recall_every: int = 50
+    # Warn when a loss is this many standard deviations above the last 100 steps' mean; 0 disables
+    loss_spike_zscore: float = 6.0
 
     def __post_init__(self):
-        if self.every_steps < 1 or self.msa_recall_every < 0:
+        if self.every_steps < 1 or self.msa_recall_every < 0 or self.loss_spike_zscore < 0:
             raise ValueError(
-                f"every_steps={self.every_steps} must be >= 1 and "
-                f"msa_recall_every={self.msa_recall_every} >= 0"
+                f"every_steps={self.every_steps} must be >= 1, "
+                f"msa_recall_every={self.msa_recall_every} >= 0 and "
+                f"loss_spike_zscore={self.loss_spike_zscore} >= 0"
             )
 
 

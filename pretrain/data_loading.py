@@ -75,6 +75,7 @@ def _multimodal_loader(run, tokenizer, shards, weights, field: str) -> Multimoda
             sources, seq_len=data.seq_len, batch_size=data.batch_size // jax.process_count(),
             patch_budget=data.patch_budget, seed=data.seed, tokenizer=tokenizer,
             processor=data.processor, num_workers=data.workers, on_error=data.on_error,
+            max_consecutive_skips=data.max_consecutive_skips,
         )  # fmt: skip
     except (OSError, ValueError, DataError) as e:
         raise RunError(f"{field}={list(shards)}: {e}") from None

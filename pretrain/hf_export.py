@@ -6,8 +6,9 @@
 Reads RUN/config.yaml and RUN/checkpoints/<step>/state (the latest step by default) and writes
 config.json + model-0000i-of-0000n.safetensors + model.safetensors.index.json in MiniMax's upstream
 layout (spec §7.1). Tensors stream one at a time from the Orbax arrays to the shard being written,
-so host memory stays near one shard whatever the model size. Optimizer state is not exported. Bad
-input stops with one line on stderr and exit code 2.
+so host memory stays near one shard whatever the model size, into a hidden folder beside --output
+that replaces it when complete. Optimizer state is not exported. Any error stops with one line on
+stderr and exit code 2 (the traceback with --debug).
 """
 
 import argparse
@@ -16,12 +17,13 @@ import sys
 
 from tqdm import tqdm
 
-from m3jax.config_loading import ConfigError, from_mapping, load_yaml
+from m3jax.config_loading import from_mapping, load_yaml
 from m3jax.convert.layout import leaf_shapes, tensor_specs
-from m3jax.convert.pretrained import EXPORT_DTYPES, prepare_output, write_checkpoint
+from m3jax.convert.pretrained import EXPORT_DTYPES, staged_output, write_checkpoint
 from m3jax.convert.safetensors_io import parse_size
 from pretrain.checkpoint_arrays import open_leaves
 from pretrain.checkpointing import CheckpointError, Checkpoints
+from pretrain.cli import add_debug_flag, run_command
 from pretrain.config import CheckpointConfig, RunConfig
 
 
@@ -34,15 +36,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="float32 (default: exact) or bfloat16 (half the size)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     parser.add_argument("--shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
-    try:
+
+    def command() -> int:
         parse_size(args.shard_size)
         export(args.run, args.output, step=args.step, dtype=args.dtype,
                shard_size=args.shard_size, overwrite=args.overwrite)  # fmt: skip
-    except (ConfigError, CheckpointError, OSError, ValueError) as e:
-        print(f"m3-export: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command("m3-export", command, debug=args.debug)
 
 
 def export(
@@ -73,17 +76,17 @@ def export(
                 f"{state_dir}: {'.'.join(keys)} should have shape {shape} for the model in "
                 f"{config_path}, found {found}"
             )
-    directory = prepare_output(output, overwrite=overwrite)
-    with tqdm(total=len(tensor_specs(model)), desc="m3-export", unit="tensor") as bar:
+    bar = tqdm(total=len(tensor_specs(model)), desc="m3-export", unit="tensor")
+    with bar, staged_output(output, overwrite=overwrite) as staging:
         write_checkpoint(
-            directory,
+            staging,
             model,
             lambda leaf, index: arrays[tuple(map(str, leaf))][index].read().result(),
             dtype=dtype,
             shard_size=shard_size,
             on_tensor=lambda name: bar.update(1),
         )
-    print(f"m3-export: step {step} of {run_dir} -> {directory} ({dtype})")
+    print(f"m3-export: step {step} of {run_dir} -> {output} ({dtype})")
     return step
 
 

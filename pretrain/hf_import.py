@@ -12,15 +12,19 @@ section in --config may set training-only fields (dtype, remat, init_std, moe.bi
 moe.balance_loss_weight); any other model field it sets must equal config.json's.
 
 Tensors stream one at a time from the safetensors to the Orbax arrays: host memory stays near one
-tensor. --strict (default) imports the MTP modules config.json's `num_mtp_modules` asks for and
-refuses any other `mtp.*` tensor; --no-strict imports the model without MTP modules and skips
-every `mtp.*` tensor with a warning. Bad input stops with one line on stderr and exit code 2.
+tensor, into a hidden folder beside --output that is renamed to it when complete: a failed import
+leaves nothing behind. A truncated shard or a tensor holding NaN or infinity stops it, naming the
+file and the tensor. --strict (default) imports the MTP modules config.json's `num_mtp_modules`
+asks for and refuses any other `mtp.*` tensor; --no-strict imports the model without MTP modules
+and skips every `mtp.*` tensor with a warning. Any error stops with one line on stderr and exit
+code 2 (the traceback with --debug).
 """
 
 import argparse
 import pathlib
 import shutil
 import sys
+import time
 import warnings
 
 import jax
@@ -35,6 +39,7 @@ from m3jax.convert.layout import tensor_specs
 from m3jax.convert.pretrained import check_tensors, leaf_blocks, open_checkpoint
 from m3jax.model import functional
 from pretrain.checkpoint_arrays import LazyArray, save_streamed, zeros
+from pretrain.cli import add_debug_flag, run_command
 from pretrain.config import RunConfig, RunError
 from pretrain.data_loading import make_loader
 from pretrain.optimizer import make_optimizer
@@ -42,6 +47,7 @@ from pretrain.session import progress
 from pretrain.train_step import init_state
 
 IMPORT_STEP = 0
+SETTLE_CHECKS, SETTLE_SECONDS = 20, 0.05  # removing a failed import's folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         help="import num_mtp_modules MTP modules, refuse other mtp.* tensors (--no-strict: "
         "no MTP modules, mtp.* skipped with a warning)",
     )
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
-    try:
+
+    def command() -> int:
         import_checkpoint(args.hf, args.output, config_path=args.config, strict=args.strict)
-    except (ConfigError, RunError, OSError, ValueError) as e:
-        print(f"m3-import: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command("m3-import", command, debug=args.debug)
 
 
 def import_checkpoint(
@@ -86,16 +93,21 @@ def import_checkpoint(
     data_state = make_loader(run).state()
     optimizer = make_optimizer(run.optimizer, run.train.steps, functional(model).param_axes)
     abstract = jax.eval_shape(lambda: init_state(functional(model), optimizer, run.train.seed))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    staging = run_dir.parent / f".{run_dir.name}.importing"  # a failed import's is replaced
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     try:
         with tqdm(total=len(specs), desc="m3-import", unit="tensor") as bar:
             state = _lazy_state(abstract, specs, source, progress=lambda: bar.update(1))
-            step_dir = run_dir / "checkpoints" / str(IMPORT_STEP)
+            step_dir = staging / "checkpoints" / str(IMPORT_STEP)
             save_streamed(step_dir, state, data_state, progress(run, tokens_seen=0))
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
+        (staging / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
     except BaseException:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # leave no half-written run
+        _remove_for_good(staging)  # leave no half-written run
         raise
+    if run_dir.exists():
+        run_dir.rmdir()  # empty (checked above)
+    staging.rename(run_dir)
     print(f"m3-import: {hf_dir} -> {run_dir} (step {IMPORT_STEP}); continue training with\n"
           f"  m3-train --config {run_dir / 'config.yaml'} --run-dir {run_dir}")  # fmt: skip
     return run
@@ -145,6 +157,16 @@ def _lazy_state(abstract: dict, specs, source, progress) -> dict:
     }
     optimizer_state = jax.tree.map(lambda x: zeros(x.shape, x.dtype), abstract["opt_state"])
     return {"step": zeros((), np.int32), **weights, "opt_state": optimizer_state}
+
+
+def _remove_for_good(path: pathlib.Path) -> None:
+    # Array writes already in flight when a tensor failed are committed by tensorstore in the
+    # background and can recreate the folder just after it is removed: remove until it stays gone.
+    for _ in range(SETTLE_CHECKS):
+        shutil.rmtree(path, ignore_errors=True)
+        time.sleep(SETTLE_SECONDS)
+        if not path.exists():
+            return
 
 
 def _key(key):

@@ -18,6 +18,17 @@ def learning_rate(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def applied_updates(opt_state) -> jax.Array:
+    """How many updates `make_optimizer`'s state has applied: the LR schedule's position, which
+    skipped (non-finite) steps do not advance."""
+
+    def is_schedule(x) -> bool:
+        return isinstance(x, optax.ScaleByScheduleState)
+
+    (schedule,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(x)]
+    return schedule.count
+
+
 def make_optimizer(
     config: OptimizerConfig, total_steps: int, param_axes: dict
 ) -> optax.GradientTransformation:

@@ -1,13 +1,15 @@
 """A training session: the mesh, the sharded train state, the compiled step and its checkpoints.
 
 Parameters are created directly in their sharded layout (a jitted init with out_shardings) or
-restored from the latest checkpoint onto the current mesh; the data iterator state travels in the
-same checkpoint, so a resumed run continues with exactly the next batch.
+restored from the newest intact checkpoint onto the current mesh; the data iterator state travels
+in the same checkpoint, so a resumed run continues with exactly the next batch. A state holding
+NaN or infinity is never saved.
 """
 
 import collections
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -19,16 +21,38 @@ from m3jax import sharding
 from m3jax.attention import ForwardMode
 from m3jax.config_loading import ConfigError
 from m3jax.model import Functional
+from pretrain.checkpoint_recovery import restore_newest_intact
 from pretrain.checkpointing import Checkpoints, abstract_with_shardings
 from pretrain.config import RunConfig
+from pretrain.faults import FaultMonitor, check_finite
 from pretrain.optimizer import learning_rate, make_optimizer
+from pretrain.resume_checks import schedule_steps
 from pretrain.train_step import init_state, make_train_step
 
 
+class DataPositionError(ValueError):
+    """A checkpoint's data position does not fit the current loader (other data settings)."""
+
+    def __init__(self, step: int, cause: Exception):
+        super().__init__(str(cause))
+        self.step, self.cause = step, cause
+
+
 class TrainingSession:
-    def __init__(self, model: Functional, run: RunConfig, checkpoints: Checkpoints):
-        self.run, self.checkpoints = run, checkpoints
-        self.mesh = sharding.make_mesh(dataclasses.asdict(run.mesh))
+    """report: writes one line (restore fallbacks, schedule notes, numerical faults)."""
+
+    def __init__(
+        self,
+        model: Functional,
+        run: RunConfig,
+        checkpoints: Checkpoints,
+        report: Callable[[str], None] = print,
+    ):
+        self.run, self.checkpoints, self.report = run, checkpoints, report
+        try:
+            self.mesh = sharding.make_mesh(dataclasses.asdict(run.mesh))
+        except ValueError as e:
+            raise ConfigError(f"{e} (set mesh.* to fit the devices)") from None
         experts, expert_devices = run.model.moe.num_experts, self.mesh.shape["expert"]
         if "sparse" in run.model.mlp_layer_types and experts % expert_devices:
             raise ConfigError(
@@ -43,23 +67,17 @@ class TrainingSession:
                 f"data.batch_size={run.data.batch_size} is not a multiple of the "
                 f"data-parallel mesh size {data_parallel} times train.grad_accum_steps={parts}"
             )
-        schedule = learning_rate(run.optimizer, run.train.steps)
-        self.optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)
-        self.abstract_state = jax.eval_shape(
+        horizon = run.optimizer.schedule_steps or run.train.steps  # restore_or_init may change it
+        self.optimizer = make_optimizer(run.optimizer, horizon, model.param_axes)
+        self.abstract_state = jax.eval_shape(  # its structure does not depend on the horizon
             lambda: init_state(model, self.optimizer, run.train.seed)
         )
         self.state_shardings = self._state_shardings()
         self.batch_sharding = sharding.batch_sharding(self.mesh)
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._step = jax.jit(
-            make_train_step(model, self.optimizer, schedule, run),
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated),
-            static_argnums=2,
-            donate_argnums=0,
-        )
+        self._use_schedule(horizon)
         self.state = None
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
+        self.faults = FaultMonitor(run, report)  # skipped steps (all sessions), loss spikes
         self.modality_tokens = collections.Counter()  # this session's tokens by modality
 
     @property
@@ -75,15 +93,26 @@ class TrainingSession:
         self.state = init()
 
     def restore_or_init(self, loader) -> int:
-        """Restores the latest checkpoint (and the loader's position) or initialises; returns step."""
-        step = self.checkpoints.latest_step()
-        if step is None:
+        """Restores the newest intact checkpoint (and the loader's position) or initialises;
+        returns the step. Fallbacks and a kept LR schedule horizon are reported."""
+        target = abstract_with_shardings(self.abstract_state, self.state_shardings)
+        restored = restore_newest_intact(
+            self.checkpoints, target,
+            allow_older=self.run.checkpoint.restore_older_if_corrupt, report=self.report,
+        )  # fmt: skip
+        if restored is None:
             self.initialize()
             return 0
-        target = abstract_with_shardings(self.abstract_state, self.state_shardings)
-        self.state, data_state, progress = self.checkpoints.restore(step, target)
-        loader.restore(data_state)
+        step, self.state, data_state, progress = restored
+        try:
+            loader.restore(data_state)
+        except ValueError as e:
+            raise DataPositionError(step, e) from None
         self.tokens_seen = progress["tokens_seen"]
+        self.faults.skipped_steps = progress.get("skipped_steps", 0)  # absent in older ones
+        horizon = schedule_steps(self.run, progress.get("schedule_steps"), step, self.report)
+        if horizon != self.schedule_steps:
+            self._use_schedule(horizon)
         return step
 
     def forward_mode(self, step: int) -> ForwardMode:
@@ -121,9 +150,29 @@ class TrainingSession:
             metrics["msa_warmup"] = float(mode.msa_dense)  # 1 while sparse layers attend densely
         return metrics
 
-    def save(self, step: int, loader) -> None:
-        self.checkpoints.save(
-            step, self.state, loader.state(), progress(self.run, self.tokens_seen)
+    def save(self, step: int, loader, data_state: dict | None = None) -> None:
+        """Starts saving the state at `step` with the loader's position (or `data_state`, the
+        position before an interrupted batch). Raises NonFiniteStateError instead of saving NaN."""
+        check_finite(self.state, step)
+        saved = {
+            **progress(self.run, self.tokens_seen),
+            "skipped_steps": self.faults.skipped_steps,
+            "schedule_steps": self.schedule_steps,
+        }
+        data_state = loader.state() if data_state is None else data_state
+        self.checkpoints.save(step, self.state, data_state, saved)
+
+    def _use_schedule(self, steps: int) -> None:
+        """Builds the optimizer and the jitted step for an LR schedule decaying over `steps`."""
+        self.schedule_steps = steps
+        run, model = self.run, self.model
+        self.optimizer = make_optimizer(run.optimizer, steps, model.param_axes)
+        self._step = jax.jit(
+            make_train_step(model, self.optimizer, learning_rate(run.optimizer, steps), run),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, NamedSharding(self.mesh, PartitionSpec())),
+            static_argnums=2,
+            donate_argnums=0,
         )
 
     def _state_shardings(self) -> dict:

@@ -4,13 +4,15 @@
 
 RUN_DIR holds config.yaml, checkpoints/<step>/, metrics.jsonl and tensorboard/; with `eval.shards`
 the held-out loss is logged every `eval.every_steps` steps (pretrain/evaluation.py). A run directory
-with checkpoints is always resumed, never overwritten; the model config must match the saved one.
-The first Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits (a second
-Ctrl-C aborts at once). Bad input stops with one line on stderr and exit code 2.
+with checkpoints is always resumed, never overwritten; the architecture and the data settings must
+match the saved ones (pretrain/resume_checks.py). The first Ctrl-C or SIGTERM finishes the current
+step (or abandons the batch being loaded), saves a checkpoint and exits; a second Ctrl-C aborts at
+once, a second SIGTERM changes nothing. Any error stops with one line on stderr and exit code 2
+(a traceback only with --debug); so do too many non-finite steps (pretrain/faults.py) and a
+checkpoint save that fails twice in a row (pretrain/checkpoint_recovery.py).
 """
 
 import argparse
-import dataclasses
 import pathlib
 import signal
 import sys
@@ -22,19 +24,23 @@ import yaml
 from tqdm import tqdm
 
 from data.mm_documents import DataError
-from m3jax.config_loading import ConfigError, from_mapping, load_yaml, to_mapping
+from m3jax.config_loading import to_mapping
 from m3jax.model import functional
-from pretrain.checkpointing import CheckpointError, Checkpoints
+from pretrain.checkpoint_recovery import SaveRetry
+from pretrain.checkpointing import Checkpoints
+from pretrain.cli import add_debug_flag, run_command
 from pretrain.config import RunConfig, RunError, load_run_config
 from pretrain.data_loading import make_loader
 from pretrain.evaluation import Evaluator
 from pretrain.metrics import MetricsWriter, read_metrics
-from pretrain.session import TrainingSession
+from pretrain.resume_checks import check_model, data_position_error, saved_run
+from pretrain.session import DataPositionError, TrainingSession
 
 LOG_KEYS = (
     "loss", "nll", "mtp_nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance",
-    "moe_dropped_fraction", "tokens_per_s"
+    "moe_dropped_fraction", "tokens_per_s", "skipped_steps", "skipped_documents"
 )  # fmt: skip
+COUNT_KEYS = ("skipped_steps", "skipped_documents")  # shown once they are not 0
 EVAL_LOG_KEYS = ("eval_nll", "eval_mtp_nll", "eval_msa_recall")
 
 
@@ -43,28 +49,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/demo.yaml")
     parser.add_argument("--run-dir", help="where checkpoints and logs go (default runs/<config>)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optimizer.lr=1e-3")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.config).stem}")
+
+    def command() -> int:
+        summary = train(load_run_config(args.config, args.overrides), run_dir)
+        return 128 + summary["stopped_by_signal"] if summary["stopped_by_signal"] else 0
+
     try:
-        run = load_run_config(args.config, args.overrides)
-        summary = train(run, run_dir)
-    except (ConfigError, CheckpointError, RunError, DataError) as e:
-        print(f"m3-train: error: {e}", file=sys.stderr)
-        return 2
+        return run_command("m3-train", command, debug=args.debug)
     except KeyboardInterrupt:
         print("m3-train: aborted without saving", file=sys.stderr)
         return 128 + signal.SIGINT
-    return 128 + summary["stopped_by_signal"] if summary["stopped_by_signal"] else 0
 
 
 def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
-    """Trains until run.train.steps (or a stop signal); returns the summary it prints."""
-    _check_saved_model(run_dir, run)
+    """Trains until run.train.steps (or a stop); returns the summary it prints."""
+    saved = saved_run(run_dir)
+    check_model(run_dir, saved, run)
     loader = make_loader(run)
-    session = TrainingSession(
-        functional(run.model), run, Checkpoints(run_dir / "checkpoints", run.checkpoint)
-    )
-    start = session.restore_or_init(loader)
+    new_dirs = [d for d in (run_dir, run_dir / "checkpoints") if not d.exists()]
+    checkpoints = Checkpoints(run_dir / "checkpoints", run.checkpoint)
+    try:
+        session = TrainingSession(functional(run.model), run, checkpoints, report=tqdm.write)
+        start = session.restore_or_init(loader)
+    except BaseException as e:
+        checkpoints.close()
+        for directory in reversed(new_dirs):  # a failed start leaves no empty run behind
+            if directory.is_dir() and not any(directory.iterdir()):
+                directory.rmdir()
+        if isinstance(e, DataPositionError):
+            raise data_position_error(run_dir, saved, run, e.step, e.cause) from None
+        raise
     evaluator = Evaluator(session, run) if run.eval.shards else None
     resumed = session.checkpoints.latest_step() is not None  # step 0 too: m3-import writes it
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
@@ -83,30 +100,44 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
             stopped_at = _loop(session, loader, writer, start, stop, run, evaluator)
     finally:
         writer.close()
-        session.checkpoints.wait()
         session.checkpoints.close()
     summary = _summary(run_dir, start, stopped_at, stop.signum)
     summary["modality_tokens"] = dict(session.modality_tokens)
+    summary["skipped_steps"] = session.faults.skipped_steps
+    summary["skipped_documents"] = loader.skip_counts()
     _print_summary(summary)
     return summary
 
 
 def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator) -> int:
-    """Runs steps start..total; returns the step reached. Checkpoints at intervals and on stop."""
+    """Runs steps start..total; returns the step reached. Checkpoints at intervals and on a stop:
+    a signal, too many non-finite steps (then raises RunError) or no usable data left (DataError)."""
     total, log_every = run.train.steps, run.logging.every_steps
     pending, window_start, untimed = [], time.perf_counter(), 0
     step = saved = start
+    faults, position, data_error = session.faults, None, None
     bar = tqdm(total=total, initial=start, desc="train", unit="step", mininterval=1.0,
                disable=not run.logging.progress_bar, dynamic_ncols=True)  # fmt: skip
+    saver = SaveRetry(session.checkpoints, lambda at: session.save(at, loader, position), bar.write)
     with bar:
         phase = None
-        while step < total and not stop.signum:
+        while step < total and not stop.signum and not faults.stop_reason:
             if session.msa_phase != phase:
                 phase = session.msa_phase
                 seen = f"{session.tokens_seen:,} tokens seen"
                 bar.write(f"m3-train: step {step}: MSA phase {phase} ({seen})")
-            metrics = session.step(next(loader), session.forward_mode(step + 1))
+            before = loader.state()
+            try:
+                batch = stop.next_batch(loader)
+            except DataError as e:  # nothing usable left: keep the steps done, then stop
+                data_error, position = e, before
+                break
+            if batch is None:  # a stop signal came while loading: save the position before it
+                position = before
+                break
+            metrics = session.step(batch, session.forward_mode(step + 1))
             step += 1
+            faults.observe(step, metrics, loader.provenance())
             pending.append(metrics)
             if step == start + 1:  # compilation: keep its metrics, leave it out of throughput
                 jax.block_until_ready(metrics)
@@ -114,26 +145,34 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator) 
                 bar.write(f"m3-train: first step (incl. compilation) took {seconds:.1f} s")
                 window_start, untimed = time.perf_counter(), 1
             if step % log_every == 0 or step == total or step == start + 1:
+                faults.flush()
                 logged = _reduce(
                     jax.device_get(pending), untimed, time.perf_counter() - window_start
                 )
+                logged.update(skipped_steps=faults.skipped_steps, **loader.skip_counts())
                 writer.write(step, logged)
                 bar.set_postfix(loss=f"{logged['loss']:.3f}", refresh=False)
-                parts = [f"{k} {logged[k]:.4g}" for k in LOG_KEYS if k in logged]
-                bar.write(f"step {step:>6}/{total} | " + " | ".join(parts))
+                bar.write(_console_line(step, total, logged))
                 pending, window_start, untimed = [], time.perf_counter(), 0
             if evaluator is not None and step % run.eval.every_steps == 0:
                 window_start += _evaluate(evaluator, writer, bar, step)  # not in throughput
             if step % run.checkpoint.every_steps == 0 or step == total:
-                session.save(step, loader)
+                faults.flush()
+                saver.save(step)
                 saved = step
+            saver.poll(step)
             bar.update(1)
+    faults.flush()
+    if (stop.signum or faults.stop_reason or data_error) and step > start and saved != step:
+        saver.save(step)
+    saver.finish(step)
+    where = f"checkpoint at step {step} saved" if step else "no step done, nothing to save"
+    if faults.stop_reason:
+        raise RunError(f"{faults.stop_reason}; stopped: {where} (the last good state)")
+    if data_error:
+        raise DataError(f"{data_error}; stopped: {where}")
     if stop.signum:
-        name = signal.Signals(stop.signum).name
-        if step > start and saved != step:
-            session.save(step, loader)
-        where = f"checkpoint at step {step} saved" if step else "no step done, nothing to save"
-        print(f"m3-train: {name}: {where}, stopping", flush=True)
+        print(f"m3-train: {signal.Signals(stop.signum).name}: {where}, stopping", flush=True)
     return step
 
 
@@ -147,29 +186,20 @@ def _evaluate(evaluator: Evaluator, writer: MetricsWriter, bar, step: int) -> fl
     return time.perf_counter() - began
 
 
+def _console_line(step: int, total: int, logged: dict) -> str:
+    shown = [k for k in LOG_KEYS if k in logged and (logged[k] or k not in COUNT_KEYS)]
+    return f"step {step:>6}/{total} | " + " | ".join(f"{k} {logged[k]:.4g}" for k in shown)
+
+
 def _reduce(window: list[dict], untimed: int, seconds: float) -> dict:
-    """Means of a logging window's per-step metrics; throughput over its steps after `untimed`."""
-    keys = dict.fromkeys(k for m in window for k in m if k != "tokens")  # recall: some steps only
+    """Means of a logging window's per-step metrics; throughput over its steps after `untimed`.
+    Skipped steps are counted by the FaultMonitor instead (`skipped_steps`)."""
+    keys = dict.fromkeys(k for m in window for k in m if k not in ("tokens", "skipped"))
     logged = {k: _nan_mean([float(m[k]) for m in window if k in m]) for k in keys}
     if len(window) > untimed:
         tokens = sum(int(m["tokens"]) for m in window[untimed:])
         logged["tokens_per_s"] = tokens / max(seconds, 1e-9)
     return logged
-
-
-def _check_saved_model(run_dir: pathlib.Path, run: RunConfig) -> None:
-    """A run directory belongs to one model: refuse to resume it with different model fields."""
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.exists():
-        return
-    saved = from_mapping(RunConfig, load_yaml(saved_path), where=str(saved_path)).model
-    for field in dataclasses.fields(saved):
-        before, now = getattr(saved, field.name), getattr(run.model, field.name)
-        if before != now:
-            raise RunError(
-                f"{run_dir} holds a run with model.{field.name}={before!r}, not {now!r}; "
-                "use another --run-dir to start a new run"
-            )
 
 
 def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
@@ -191,13 +221,14 @@ def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
 
 
 def _last_by_document(history: list[dict]) -> dict:
-    """Multimodal runs: the last logged LM loss in text / image / video documents (not NaN)."""
+    """Multimodal runs: kind -> (step, LM loss) of the last logged step whose batches had that kind
+    of document (text / image / video; NaN in logging windows without one)."""
     last = {}
     for kind in ("text", "image", "video"):
-        values = [r[f"nll_{kind}_docs"] for r in history if f"nll_{kind}_docs" in r]
-        values = [v for v in values if not np.isnan(v)]
-        if values:
-            last[kind] = values[-1]
+        logged = [(r["step"], r[f"nll_{kind}_docs"]) for r in history if f"nll_{kind}_docs" in r]
+        logged = [(step, value) for step, value in logged if not np.isnan(value)]
+        if logged:
+            last[kind] = logged[-1]
     return last
 
 
@@ -225,8 +256,24 @@ def _print_summary(summary: dict) -> None:
         )
         print(f"  tokens       {counts} (this session)")
     if summary["last_nll_by_document"]:
-        losses = ", ".join(f"{k} {v:.4f}" for k, v in summary["last_nll_by_document"].items())
+        losses = ", ".join(
+            f"{kind} {value:.4f} (step {step})"
+            for kind, (step, value) in summary["last_nll_by_document"].items()
+        )
         print(f"  LM loss by document kind (last logged): {losses}")
+    if summary["skipped_steps"]:
+        print(f"  skipped      {summary['skipped_steps']} step(s) with a non-finite loss or "
+              "gradient (all sessions; nothing was updated)")  # fmt: skip
+    if skipped := summary["skipped_documents"]:
+        total, read = skipped["skipped_documents"], skipped["documents_read"]
+        reasons = ", ".join(
+            f"{key.removeprefix('skipped_')} {count:,}"
+            for key, count in skipped.items()
+            if key.startswith("skipped_") and key != "skipped_documents" and count
+        )
+        share = f"{total / read:.1%}" if read else "all"
+        print(f"  data         {total:,} of {read:,} documents read were unusable ({share}), "
+              f"skipped: {reasons or 'none'}")  # fmt: skip
     if summary["tokens_per_s"] is not None:
         print(
             f"  throughput   {summary['tokens_per_s']:,.0f} tokens/s (this session, after compilation)"
@@ -234,19 +281,40 @@ def _print_summary(summary: dict) -> None:
     print(f"  run dir      {summary['run_dir']} (checkpoints/, metrics.jsonl, tensorboard/)")
 
 
+class _Interrupted(Exception):
+    """Raised by the signal handler out of a `next(loader)` that may take long (skipping data)."""
+
+
 class _StopOnSignal:
-    """The first SIGINT/SIGTERM asks the loop to checkpoint and stop; a second SIGINT aborts."""
+    """The first SIGINT/SIGTERM asks the loop to checkpoint and stop, and abandons a batch being
+    loaded; a second SIGINT aborts; a second SIGTERM (schedulers repeat them) changes nothing."""
 
     def __enter__(self):
         self.signum = 0
+        self._loading = False
         self._previous = {
             s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)
         }
         return self
 
+    def next_batch(self, loader) -> dict | None:
+        """next(loader), or None when a stop signal arrives meanwhile (the loader's position is
+        then undefined: the caller saves the position from before the call)."""
+        try:
+            self._loading = True
+            batch = next(loader)
+            self._loading = False
+            return batch
+        except _Interrupted:
+            return None
+        finally:
+            self._loading = False
+
     def _handle(self, signum, frame):
         if self.signum:
-            raise KeyboardInterrupt
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         self.signum = signum
         print(
             f"\nm3-train: {signal.Signals(signum).name} received: saving a checkpoint after this step "
@@ -254,6 +322,8 @@ class _StopOnSignal:
             file=sys.stderr,
             flush=True,
         )
+        if self._loading:
+            raise _Interrupted
 
     def __exit__(self, *exc):
         for s, handler in self._previous.items():

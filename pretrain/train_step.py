@@ -5,6 +5,7 @@ loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE b
        + msa.kl_weight · Σ_sparse layers indexer KL (whose gradient reaches only the indexers)
        + mtp.loss_weight · mean over MTP modules of their LM loss (m3jax/mtp.py).
 After the update, each router's correction bias moves toward balanced load (outside the optimizer).
+A step whose loss or gradient norm is not finite changes nothing but `step` (pretrain/faults.py).
 The loads are global, all tokens of the step on any mesh: routing statistics are computed outside
 the expert-parallel shard_map (m3jax/moe.py).
 
@@ -25,6 +26,7 @@ from m3jax.model import Functional
 from m3jax.vision_inputs import from_packed_rows
 from pretrain.accumulation import accumulated
 from pretrain.config import RunConfig
+from pretrain.faults import keep_finite
 from pretrain.loss import (
     MODALITIES,
     load_balance_loss,
@@ -34,6 +36,7 @@ from pretrain.loss import (
     mtp_targets,
     token_losses,
 )
+from pretrain.optimizer import applied_updates
 
 Batch = dict[str, jax.Array]  # tokens, targets, positions, segment_ids: [B, S] int32; loss_mask
 LossFn = Callable[[dict, dict, Batch, ForwardMode, dict], tuple[jax.Array, tuple[dict, list]]]
@@ -121,11 +124,14 @@ def make_train_step(
             "opt_state": opt_state,
         }
         metrics.update(_load_metrics(loads, labels["moe"]))
+        grad_norm = optax.tree.norm(grads)
+        new_state, skipped = keep_finite(state, new_state, loss, grad_norm)
         metrics.update(
             loss=loss,
-            grad_norm=optax.tree.norm(grads),
-            lr=schedule(state["step"]),
+            grad_norm=grad_norm,
+            lr=schedule(applied_updates(state["opt_state"])),  # the LR this update used
             tokens=(batch["segment_ids"] > 0).sum(),
+            skipped=skipped,
         )
         return new_state, metrics
 

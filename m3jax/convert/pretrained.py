@@ -7,14 +7,19 @@ nested dicts `functional(config).init` returns, i.e. the same two keys as a trai
 buffers hold the routers' correction biases, `e_score_correction_bias` upstream).
 
 The pieces below `save_pretrained` stream: a tensor is read from its source just before it is
-written, so the CLIs in pretrain/ convert checkpoints larger than host memory.
+written, so the CLIs in pretrain/ convert checkpoints larger than host memory. Writes go to a
+hidden sibling folder that takes the target's place only when complete (`staged_output`), so a
+failed or killed export never leaves a partial checkpoint. A tensor holding NaN or infinity is
+refused on reading, naming it and its file.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 import re
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -111,14 +116,14 @@ def save_pretrained(
             raise ValueError(
                 f"weights{list(leaf)} has shape {flat[leaf].shape}, config needs {shape}"
             )
-    directory = prepare_output(path, overwrite=overwrite)
-    write_checkpoint(
-        directory,
-        config,
-        lambda leaf, index: np.asarray(flat[leaf][index]),
-        dtype=dtype,
-        shard_size=shard_size,
-    )
+    with staged_output(path, overwrite=overwrite) as staging:
+        write_checkpoint(
+            staging,
+            config,
+            lambda leaf, index: np.asarray(flat[leaf][index]),
+            dtype=dtype,
+            shard_size=shard_size,
+        )
 
 
 def open_checkpoint(
@@ -182,30 +187,49 @@ def check_tensors(specs: list[TensorSpec], source: TensorSource, *, strict: bool
 def leaf_blocks(
     specs: list[TensorSpec], source: TensorSource
 ) -> Iterator[tuple[tuple, np.ndarray]]:
-    """(index into the leaf, float32 value) for each upstream tensor of one leaf, read lazily."""
+    """(index into the leaf, float32 value) for each upstream tensor of one leaf, read lazily.
+    Raises CheckpointFormatError for a tensor holding NaN or infinity."""
     for spec in specs:
-        yield spec.index, from_upstream(spec, np.asarray(source.read(spec.name), np.float32))
+        value = np.asarray(source.read(spec.name), np.float32)
+        if not np.isfinite(value).all():
+            raise CheckpointFormatError(
+                f"{spec.name} in {source.origin(spec.name)} holds NaN or infinity (corrupt?)"
+            )
+        yield spec.index, from_upstream(spec, value)
 
 
-def prepare_output(path: str | os.PathLike, *, overwrite: bool) -> pathlib.Path:
-    """Creates the export directory; a non-empty one is refused unless overwrite, which removes
-    only an earlier checkpoint's files (config.json, index, model*.safetensors)."""
+@contextlib.contextmanager
+def staged_output(path: str | os.PathLike, *, overwrite: bool) -> Iterator[pathlib.Path]:
+    """A hidden sibling folder of `path` to write a checkpoint into. When the block completes it
+    becomes `path` (or, with overwrite, its files replace an earlier checkpoint's config.json,
+    index and model*.safetensors there, config.json last); when it fails it is removed and `path`
+    is untouched. A non-empty `path` is refused unless overwrite."""
     directory = pathlib.Path(path)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{directory} exists and is not a directory")
-    if directory.exists() and any(directory.iterdir()):
-        if not overwrite:
-            raise FileExistsError(
-                f"{directory} is not empty; pass overwrite (--overwrite) to replace it"
-            )
-        for old in [
-            directory / CONFIG_FILE,
-            directory / INDEX_FILE,
-            *directory.glob("model*.safetensors"),
-        ]:
-            old.unlink(missing_ok=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{directory} is not empty; pass overwrite (--overwrite) to replace it"
+        )
+    staging = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if directory.exists() and not any(directory.iterdir()):
+        directory.rmdir()
+    if not directory.exists():
+        staging.rename(directory)
+        return
+    shards = directory.glob("model*.safetensors")
+    for old in [directory / CONFIG_FILE, directory / INDEX_FILE, *shards]:
+        old.unlink(missing_ok=True)
+    for new in sorted(staging.iterdir(), key=lambda f: f.name == CONFIG_FILE):
+        new.replace(directory / new.name)
+    staging.rmdir()
 
 
 def write_checkpoint(

@@ -45,19 +45,42 @@ class SafetensorsError(ValueError):
 
 
 class SafetensorsFile:
-    """One .safetensors file: header parsed at once, tensors memory-mapped on `read`."""
+    """One .safetensors file: header parsed at once, tensors memory-mapped on `read`.
+
+    Opening checks that every tensor's bytes lie inside the file, so a truncated file fails here,
+    naming the file and the first tensor it cuts, not later inside a memory map."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
         try:
             with open(self.path, "rb") as f:
                 (header_size,) = struct.unpack("<Q", f.read(8))
+                size = os.fstat(f.fileno()).st_size
+                if header_size > size - 8:
+                    raise ValueError(f"header of {header_size} bytes in a file of {size}")
                 header = json.loads(f.read(header_size))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            if not isinstance(header, dict):
+                raise ValueError(f"header is a {type(header).__name__}, not a JSON object")
+        except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
             raise SafetensorsError(f"{self.path}: not a readable safetensors file ({e})") from None
         self.metadata = header.pop("__metadata__", None) or {}
         self._data_start = 8 + header_size
         self.entries = header
+        self._check_extents(size - self._data_start)
+
+    def _check_extents(self, data_size: int) -> None:
+        for name, entry in self.entries.items():
+            try:
+                begin, end = (int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise SafetensorsError(
+                    f"{self.path}: tensor {name!r} has no valid data_offsets (corrupt header)"
+                ) from None
+            if not 0 <= begin <= end <= data_size:
+                raise SafetensorsError(
+                    f"{self.path}: tensor {name!r} needs data bytes [{begin}, {end}) but the file "
+                    f"holds {data_size}: truncated or corrupt"
+                )
 
     def names(self) -> list[str]:
         return list(self.entries)

@@ -11,7 +11,8 @@ import PIL.Image
 import pytest
 
 from data.media import encode_video
-from data.shard_builder import write_documents
+from data.shard_builder import ShardSetWriter, index_row, write_documents
+from data.shard_format import encode_record
 from data.shard_inputs import InputDocument
 from data.vision_processing import ProcessorConfig
 
@@ -75,3 +76,20 @@ def text_shards(tmp_path_factory):
     ]
     write_documents(documents, path, shard_size=1_000, processor=TINY)
     return path
+
+
+@pytest.fixture
+def broken_record_shards(tmp_path):
+    """Three documents; the second holds an image whose bytes do not decode."""
+    rng = np.random.default_rng(0)
+    writer = ShardSetWriter(tmp_path / "broken", shard_size=1 << 20, processor=TINY, info={})
+    for i in range(3):
+        image = png_bytes(rng, 40, 40) if i != 1 else b"\x89PNG but not really"
+        record = {"doc_id": f"d{i}", "source": "t", "license": "CC0", "meta": {},
+                  "segments": [{"type": "text", "text": f"doc {i}"},
+                               {"type": "image", "bytes": image, "format": "png", "height": 40,
+                                "width": 40}]}  # fmt: skip
+        data = encode_record(record)
+        writer.add(data, index_row(record, len(data), TINY))
+    writer.close()
+    return tmp_path / "broken"

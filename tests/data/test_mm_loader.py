@@ -8,12 +8,15 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from media_fixtures import TINY, mm_shards, png_bytes, text_shards  # noqa: F401 (fixtures)
+from media_fixtures import (  # noqa: F401 (fixtures)
+    TINY,
+    broken_record_shards,
+    mm_shards,
+    text_shards,
+)
 
 from data.mm_documents import DataError, DocumentProcessor
 from data.mm_loader import MultimodalLoader, ShardSource, modality_counts
-from data.shard_builder import ShardSetWriter, index_row
-from data.shard_format import encode_record
 from data.shard_reader import ShardSet
 from data.tokenizer import ByteTokenizer
 
@@ -229,23 +232,6 @@ def test_truncated_shard_fails_naming_the_record(mm_shards, tmp_path):
         _epoch(_loader(path, num_epochs=1, on_error="fail"))
 
 
-@pytest.fixture
-def broken_record_shards(tmp_path):
-    """Three documents; the second holds an image whose bytes do not decode."""
-    rng = np.random.default_rng(0)
-    writer = ShardSetWriter(tmp_path / "broken", shard_size=1 << 20, processor=TINY, info={})
-    for i in range(3):
-        image = png_bytes(rng, 40, 40) if i != 1 else b"\x89PNG but not really"
-        record = {"doc_id": f"d{i}", "source": "t", "license": "CC0", "meta": {},
-                  "segments": [{"type": "text", "text": f"doc {i}"},
-                               {"type": "image", "bytes": image, "format": "png", "height": 40,
-                                "width": 40}]}  # fmt: skip
-        data = encode_record(record)
-        writer.add(data, index_row(record, len(data), TINY))
-    writer.close()
-    return tmp_path / "broken"
-
-
 def test_undecodable_record_skip_policy(broken_record_shards):
     loader = _loader(broken_record_shards, num_epochs=1, batch_size=1)
     batches = _epoch(loader)
@@ -262,7 +248,8 @@ def test_undecodable_record_fail_policy(broken_record_shards):
 
 def test_unit_larger_than_budget_is_skipped_with_reason(broken_record_shards):
     loader = _loader(broken_record_shards, num_epochs=1, batch_size=1, patch_budget=8)
-    assert _epoch(loader) == []  # every document skipped (counts ride on rows: none here)
+    with pytest.raises(DataError, match=r"3 unusable documents in a row, as many as the data"):
+        _epoch(loader)  # every document skipped: nothing to train on
     with pytest.raises(
         DataError, match=r"array_record#\d: a vision unit of 6 tokens and 16 patches"
     ):

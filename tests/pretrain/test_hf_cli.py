@@ -1,6 +1,9 @@
 """m3-import and m3-export: a checkpoint becomes a run m3-train resumes, and a run becomes a
 checkpoint again, bit-exact; bad input stops with exit code 2 and a message naming what is wrong."""
 
+import errno
+import shutil
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -9,8 +12,9 @@ import yaml
 from tiny import TINY_VISION, tiny_vision_run
 
 import m3jax
+from m3jax.convert import safetensors_io
 from m3jax.convert.layout import leaf_shapes, nested
-from m3jax.convert.safetensors_io import SafetensorsDirectory, write_file
+from m3jax.convert.safetensors_io import SafetensorsDirectory, SafetensorsFile, write_file
 from m3jax.model import functional
 from pretrain import hf_export, hf_import
 from pretrain.config import load_run_config
@@ -173,3 +177,90 @@ def test_mtp_modules_round_trip_through_import_and_export(tmp_path, capsys):
                            str(run_yaml), "--no-strict"]) == 0  # fmt: skip
     assert "warning: skipping" in capsys.readouterr().err
     assert load_run_config(tmp_path / "plain" / "config.yaml").model.mtp.num_modules == 0
+
+
+def _broken_copy(hf_dir, tmp_path, damage):
+    """A copy of the checkpoint whose last shard `damage(path, file)` changes; returns both."""
+    copy = tmp_path / "broken"
+    shutil.copytree(hf_dir, copy)
+    shard = sorted(copy.glob("model-*.safetensors"))[-1]
+    damage(shard, SafetensorsFile(shard))
+    return copy, shard
+
+
+def _import_fails(hf_dir, run_yaml, tmp_path, capsys):
+    output = tmp_path / "out" / "run"
+    args = ["--hf", str(hf_dir), "--output", str(output), "--config", str(run_yaml)]
+    assert hf_import.main(args) == 2
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in stderr  # the rest: the progress bar
+    assert not output.exists()
+    assert not output.parent.exists() or not list(output.parent.iterdir())  # no staging left
+    return errors[0]
+
+
+def test_import_of_a_truncated_shard_names_file_and_tensor_and_leaves_nothing(
+    checkpoint, tmp_path, capsys
+):
+    hf_dir, _, run_yaml = checkpoint
+
+    def truncate(path, file):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size - 16])
+
+    broken, shard = _broken_copy(hf_dir, tmp_path, truncate)
+    last = max(SafetensorsFile(hf_dir / shard.name).entries.items(),
+               key=lambda item: item[1]["data_offsets"][1])[0]  # fmt: skip
+    error = _import_fails(broken, run_yaml, tmp_path, capsys)
+    assert f"m3-import: error: {shard}: tensor {last!r} needs data bytes" in error
+    assert "truncated or corrupt" in error
+
+
+def test_import_of_a_tensor_holding_nan_names_it_and_leaves_nothing(checkpoint, tmp_path, capsys):
+    hf_dir, _, run_yaml = checkpoint
+    damaged = {}
+
+    def poison(path, file):
+        name = file.names()[0]
+        data = bytearray(path.read_bytes())
+        begin = file._data_start + file.entries[name]["data_offsets"][0]
+        data[begin : begin + 4] = b"\xff\xff\xff\xff"  # a float32 NaN
+        path.write_bytes(bytes(data))
+        damaged["name"] = name
+
+    broken, shard = _broken_copy(hf_dir, tmp_path, poison)
+    error = _import_fails(broken, run_yaml, tmp_path, capsys)
+    assert f"{damaged['name']} in {shard} holds NaN or infinity" in error
+
+
+def test_export_writes_aside_and_a_failed_one_leaves_the_output_untouched(
+    checkpoint, tmp_path, capsys, monkeypatch
+):
+    hf_dir, _, run_yaml = checkpoint
+    run_dir = tmp_path / "run"
+    args = ["--hf", str(hf_dir), "--output", str(run_dir), "--config", str(run_yaml)]
+    assert hf_import.main(args) == 0
+    out = tmp_path / "export"
+    args = ["--run", str(run_dir), "--output", str(out), "--shard-size", "20KB"]
+    real_write = safetensors_io.write_file
+    written = []
+
+    def disk_full_at_the_second_shard(path, *rest, **kwargs):
+        written.append(path)
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_write(path, *rest, **kwargs)
+
+    monkeypatch.setattr(safetensors_io, "write_file", disk_full_at_the_second_shard)
+    assert hf_export.main(args) == 2
+    assert "No space left on device (injected)" in capsys.readouterr().err
+    assert written[0].parent.name.startswith(".export.tmp-")  # written beside, not into, --output
+    assert not out.exists() and not list(tmp_path.glob(".export*"))
+    monkeypatch.setattr(safetensors_io, "write_file", real_write)
+    assert hf_export.main(args) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(safetensors_io, "write_file", disk_full_at_the_second_shard)
+    written.clear()
+    assert hf_export.main([*args, "--overwrite"]) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export is intact
+    assert not list(tmp_path.glob(".export*"))

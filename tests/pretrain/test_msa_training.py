@@ -96,4 +96,4 @@ def test_warmup_switches_at_warmup_tokens_and_is_checkpointed(tmp_path):
     assert [("msa_recall" in r) for r in records] == [False, True, False, True, False, True]
     assert all(r["msa_kl"] > 0 and "msa_kl_layer1" in r for r in records)
     progress = json.loads((tmp_path / "run/checkpoints/3/progress/metadata").read_text())
-    assert progress == {"tokens_seen": 3 * tokens_per_step, "msa_phase": "sparse"}
+    assert progress["tokens_seen"] == 3 * tokens_per_step and progress["msa_phase"] == "sparse"
