@@ -129,6 +129,7 @@ def sparse_attention(
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     tile = min(query_tile, seq)
+    segment_ids = jnp.asarray(segment_ids)  # gathered at traced indices below (NumPy can't)
     batch_ids = jnp.arange(batch)[:, None, None, None, None]
     head_ids = jnp.arange(num_kv_heads)[None, None, :, None, None]
 

@@ -127,6 +127,29 @@ def test_sparse_attention_gradients_match_reference(backend, block_size, topk, l
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_host_arrays_for_documents_work_under_jit(backend):
+    """Segment ids and positions may be NumPy constants of a jitted function (as a host batch
+    closed over): the backends must not index them with traced values."""
+    module, kwargs = BACKENDS[backend]
+    q, k, v, index_q, index_k, segments, positions = inputs()
+    segments, positions = np.asarray(segments), np.asarray(positions)
+
+    @jax.jit
+    def layer(q, k, v, index_q, index_k):
+        blocks = module.top_blocks(index_q, index_k, segments, positions, block_size=16,
+                                   topk_blocks=2, local_blocks=1, **kwargs)  # fmt: skip
+        return module.sparse_attention(q, k, v, blocks, segments, positions, block_size=16,
+                                       student=(index_q, index_k), **kwargs)  # fmt: skip
+
+    out, kl = layer(q, k, v, index_q, index_k)
+    expected = select((q, k, v, index_q, index_k, segments, positions), 16, 2, 1)
+    expected = reference.sparse_attention(q, k, v, expected, segments, positions, block_size=16,
+                                          student=(index_q, index_k))  # fmt: skip
+    np.testing.assert_allclose(out, expected[0], atol=F32_TOLERANCE)
+    np.testing.assert_allclose(kl, expected[1], atol=F32_TOLERANCE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_kl_gradient_never_reaches_the_attention_inputs(backend):
     module, kwargs = BACKENDS[backend]
     q, k, v, index_q, index_k, segments, positions = x = inputs()
