@@ -3,9 +3,10 @@
 M3Model: embeddings (no √d scaling) -> layer stacks -> final Gemma norm -> untied lm_head
 (spec/m3_architecture.md §3). With `config.vision`, it also owns the vision tower and projector:
 their merged features replace the embeddings of image/video placeholder tokens (§5.3) before the
-first layer. `Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested
-dicts of arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph
-inside the traced function.
+first layer. `decode` appends one token per row to a KV cache (generation, m3jax/generation.py).
+`Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested dicts of
+arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph inside
+the traced function.
 
 Shapes: B batch, S sequence, D model width, V vocab, P patches, M merged feature rows.
 """
@@ -23,6 +24,7 @@ from m3jax import params
 from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStack
+from m3jax.kv_cache import KVCache
 from m3jax.moe import balanced_bias
 from m3jax.norms import RMSNorm
 from m3jax.projector import Projector
@@ -67,8 +69,9 @@ class M3Model(nnx.Module):
         mode: static switches of the MSA layers (warm-up, indexer loss, recall).
 
         Returns logits [B, S, V] fp32 and, per layer stack, stats stacked over its layers:
-        "moe" {load, score_share, experts}, "msa" {blocks, and kl / recall as `mode` asks}, and
-        with output_hidden_states "hidden" (each layer's output). The embeddings after the
+        "moe" {load, score_share, experts}, "msa" {blocks, and kl / recall as `mode` asks}, with
+        mode.kv_cache "cache" (keys, values, index keys: m3jax/kv_cache.py), and with
+        output_hidden_states "hidden" (each layer's output). The embeddings after the
         placeholder scatter are `embeddings(...)`.
         """
         config = self.config
@@ -79,11 +82,26 @@ class M3Model(nnx.Module):
         for stack in self.stacks:
             x, stack_stats = stack(x, inputs, mode, output_hidden_states=output_hidden_states)
             stats.append(stack_stats)
+        return self._logits(x), stats
+
+    def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """One new text token per row, tokens [B, 1] at positions cache.lengths -> (logits [B, V]
+        fp32, the cache with the tokens appended). Prefill the cache with mode.kv_cache."""
+        positions = cache.lengths[:, None]
+        cos, sin = rope_tables(positions, self.config.rotary_dim, self.config.rope_theta)
+        inputs = AttentionInputs(positions, jnp.ones_like(positions), cos, sin)
+        x = self.embeddings(tokens, None)
+        stacks = []
+        for stack, stack_cache in zip(self.stacks, cache.stacks, strict=True):
+            x, stack_cache = stack.decode(x, inputs, stack_cache)
+            stacks.append(stack_cache)
+        return self._logits(x)[:, 0], KVCache(tuple(stacks), cache.lengths + 1)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
-        logits = jnp.einsum(
+        return jnp.einsum(
             "bsd,dv->bsv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32
         )
-        return logits, stats
 
     def embeddings(self, tokens: jax.Array, vision: VisionInputs | None) -> jax.Array:
         """First layer input [B, S, D]: token embeddings, placeholders replaced by features."""
@@ -141,6 +159,12 @@ class Functional:
     ) -> jax.Array:
         """The first layer's input [B, S, D]: see M3Model.embeddings."""
         return nnx.merge(self.graphdef, params, buffers).embeddings(tokens, vision)
+
+    def decode(
+        self, params: dict, buffers: dict, tokens: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """One generation step: see M3Model.decode (m3jax/generation.py drives it)."""
+        return nnx.merge(self.graphdef, params, buffers).decode(tokens, cache)
 
     def on_mesh(self, mesh: Mesh) -> "Functional":
         """The same model with its MoE layers expert-parallel over `mesh` (see `functional`)."""

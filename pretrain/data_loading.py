@@ -13,6 +13,7 @@ from data.mm_loader import MultimodalLoader, ShardSource
 from data.text_corpus import load_documents
 from data.text_loader import PackedTextLoader
 from data.tokenizer import ByteTokenizer
+from m3jax.config import ModelConfig
 from pretrain.config import RunConfig, RunError
 
 DEMO_PREFIX = "demo:"  # "demo:multimodal", "demo:text": the bundled corpus, built on first use
@@ -20,11 +21,7 @@ DEMO_PREFIX = "demo:"  # "demo:multimodal", "demo:text": the bundled corpus, bui
 
 def make_loader(run: RunConfig) -> PackedTextLoader | MultimodalLoader:
     tokenizer = ByteTokenizer()
-    if run.model.vocab_size < tokenizer.vocab_size:
-        raise RunError(
-            f"model.vocab_size={run.model.vocab_size} is smaller than the byte "
-            f"tokenizer's {tokenizer.vocab_size} ids"
-        )
+    check_vocabulary(run.model, tokenizer)
     if run.data.shards:
         return _multimodal_loader(run, tokenizer)
     try:
@@ -38,15 +35,8 @@ def make_loader(run: RunConfig) -> PackedTextLoader | MultimodalLoader:
 
 
 def _multimodal_loader(run: RunConfig, tokenizer: ByteTokenizer) -> MultimodalLoader:
-    data, vision = run.data, run.model.vision
-    if vision is not None:
-        expected = {"image_token_id": tokenizer.image_id, "video_token_id": tokenizer.video_id}
-        for name, token_id in expected.items():
-            if getattr(vision, name) != token_id:
-                raise RunError(
-                    f"model.vision.{name}={getattr(vision, name)} is not the tokenizer's "
-                    f"placeholder id {token_id}"
-                )
+    data = run.data
+    check_placeholders(run.model, tokenizer)
     weights = data.weights or (1.0,) * len(data.shards)
     if jax.process_count() > 1 and data.batch_size % jax.process_count():
         raise RunError(
@@ -63,6 +53,28 @@ def _multimodal_loader(run: RunConfig, tokenizer: ByteTokenizer) -> MultimodalLo
         )  # fmt: skip
     except (OSError, ValueError, DataError) as e:
         raise RunError(f"data.shards={list(data.shards)}: {e}") from None
+
+
+def check_vocabulary(model: ModelConfig, tokenizer: ByteTokenizer) -> None:
+    """The model must have an embedding row for every id of the tokenizer: RunError otherwise."""
+    if model.vocab_size < tokenizer.vocab_size:
+        raise RunError(
+            f"model.vocab_size={model.vocab_size} is smaller than the byte "
+            f"tokenizer's {tokenizer.vocab_size} ids"
+        )
+
+
+def check_placeholders(model: ModelConfig, tokenizer: ByteTokenizer) -> None:
+    """A vision model's image/video placeholder ids must be the tokenizer's: RunError otherwise."""
+    if model.vision is None:
+        return
+    expected = {"image_token_id": tokenizer.image_id, "video_token_id": tokenizer.video_id}
+    for name, token_id in expected.items():
+        if getattr(model.vision, name) != token_id:
+            raise RunError(
+                f"model.vision.{name}={getattr(model.vision, name)} is not the tokenizer's "
+                f"placeholder id {token_id}"
+            )
 
 
 def _shard_path(name: str) -> str:

