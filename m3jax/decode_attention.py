@@ -62,8 +62,9 @@ def sparse(
     positions: jax.Array,
     block_size: int,
 ) -> jax.Array:
-    """Exact attention of q [B, 1, H, Dh] over its group's selected blocks [B, K, k] of the cached
-    keys, values [B, T, K, Dh], causal at positions [B] -> [B, 1, H, Dh]. Reads only those blocks."""
+    """Exact attention of q [B, 1, H, Dh] over its group's selected blocks [B, K, k] of the
+    cached keys, values [B, T, K, Dh], causal at positions [B] -> [B, 1, H, Dh]. Reads only the
+    selected blocks (a -1 entry re-reads the query's own block, masked)."""
     batch, _, num_kv_heads, _ = keys.shape
     own_block = (positions // block_size)[:, None, None]  # always selected: -1 slots read it
     read = jnp.where(blocks >= 0, blocks, own_block)

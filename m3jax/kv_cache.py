@@ -44,14 +44,18 @@ def from_prefill(entries: list[LayerCache], lengths: jax.Array, length: int) -> 
         raise ValueError(f"cache length {length} is shorter than the {slots} prompt slots")
 
     def pad(x):
-        return None if x is None else jnp.pad(x, [(0, 0), (0, 0), (0, length - slots)] + [(0, 0)] * (x.ndim - 3))
+        if x is None:
+            return None
+        return jnp.pad(x, [(0, 0), (0, 0), (0, length - slots)] + [(0, 0)] * (x.ndim - 3))
 
     stacks = tuple(LayerCache(*(pad(x) for x in stack)) for stack in entries)
     return KVCache(stacks, lengths.astype(jnp.int32))
 
 
-def write_token(cache: LayerCache, layer: jax.Array, slots: jax.Array, new: LayerCache) -> LayerCache:
-    """Writes one token per row ([B, 1, ...] entries) into layer `layer` of a stack at `slots` [B]."""
+def write_token(
+    cache: LayerCache, layer: jax.Array, slots: jax.Array, new: LayerCache
+) -> LayerCache:
+    """Writes one token per row ([B, 1, ...] entries) into layer `layer` of a stack at slots [B]."""
     rows = jnp.arange(slots.shape[0])
 
     def put(buffer, entry):

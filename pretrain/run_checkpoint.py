@@ -54,7 +54,8 @@ def open_run(run_dir: pathlib.Path, step: int | None = None) -> RunCheckpoint:
 
 def load_weights(checkpoint: RunCheckpoint) -> dict:
     """{"params": ..., "buffers": ...} of the checkpoint, read into device arrays."""
-    return nested({leaf: jnp.asarray(array.read().result()) for leaf, array in checkpoint.arrays.items()})
+    arrays = checkpoint.arrays.items()
+    return nested({leaf: jnp.asarray(array.read().result()) for leaf, array in arrays})
 
 
 def checkpoint_step(directory: pathlib.Path, step: int | None) -> int:

@@ -38,8 +38,8 @@ def test_msa_costs_dense_attention_plus_the_indexer_while_every_block_is_kept():
 
 def test_matmul_flops_are_twice_the_active_text_weights():
     active = count_params(functional(M3)).active
-    vision = sum(x.size for k, v in functional(M3).shapes()[0].items() if k in ("vision", "projector")
-                 for x in jax.tree.leaves(v))  # fmt: skip
+    params = functional(M3).shapes()[0]
+    vision = sum(x.size for part in ("vision", "projector") for x in jax.tree.leaves(params[part]))
     embed = M3.vocab_size * M3.hidden_size
     assert cost_model.matmul_flops_per_token(M3) == 2 * (active - vision - embed)
     text_only = dataclasses.replace(M3, vision=None)

@@ -40,17 +40,10 @@ def run_dir(tmp_path_factory):
 
 
 def expected_text(config, weights, prompt, **sampling) -> str:
-    """What m3-generate should print: m3jax.generate's ids up to <eos>, decoded."""
+    """What m3-generate should stream: m3jax.generate's ids, rendered whole."""
     ids = m3jax.generate(config, weights, [prompt.input_ids], **prompt.media, **sampling,
                          eos_token_id=TOKENIZER.eos_id)[0]  # fmt: skip
-    ids = ids[(ids >= 0) & (ids != TOKENIZER.eos_id)]
-    known = ids < TOKENIZER.vocab_size  # a random model also picks its spare vocabulary rows
-    ends = np.flatnonzero(np.diff(known.astype(int))) + 1
-    pieces = [
-        TOKENIZER.decode(run) if known[start] else "".join(f"<|id:{i}|>" for i in run)
-        for run, start in zip(np.split(ids, ends), [0, *ends])
-    ]
-    return "".join(pieces) + "\n"
+    return generate_cli.continuation_text(ids, TOKENIZER) + "\n"
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -76,7 +69,8 @@ def test_generate_from_a_run_streams_the_greedy_continuation_of_an_image_prompt(
 @pytest.mark.slow
 def test_generate_samples_reproducibly_after_a_video_prompt(run_dir, capsys):
     args = ("--run", str(run_dir), "--prompt", "\n", "--video", str(VIDEO), "--max-new-tokens",
-            "10", "--temperature", "1.5", "--top-k", "40", "--top-p", "0.95", "--seed", "3")  # fmt: skip
+            "10", "--temperature", "1.5", "--top-k", "40", "--top-p", "0.95",
+            "--seed", "3")  # fmt: skip
     code, out, err = cli(capsys, *args)
     assert code == 0, err
     assert cli(capsys, *args)[1] == out
@@ -108,7 +102,7 @@ def test_generate_from_an_export_equals_generate_from_its_run(run_dir, tmp_path,
     assert out == expected_text(config, weights, prompt, max_new_tokens=16)
 
 
-def test_text_stream_holds_back_split_utf8_and_prints_special_tokens():
+def test_text_stream_and_continuation_text_render_bytes_special_and_spare_ids():
     class Out:
         text = ""
 
@@ -129,6 +123,8 @@ def test_text_stream_holds_back_split_utf8_and_prints_special_tokens():
         stream(np.array([token]))
     stream.close()
     assert out.text == "é]<]image[>[!<|id:300|>\n"
+    ids = np.array([*"é!".encode(), TOKENIZER.image_id, 300, 301, ord("a"), TOKENIZER.eos_id, 98])
+    assert generate_cli.continuation_text(ids, TOKENIZER) == "é!]<]image[>[<|id:300|><|id:301|>a"
 
 
 def test_generate_errors_name_the_problem(run_dir, tmp_path, capsys):
