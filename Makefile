@@ -8,7 +8,9 @@ HF_PYTHON ?= env PYENV_VERSION=3.11.7 python3
 HF_VENV := .cache/hf-venv
 HF_STAMP := $(HF_VENV)/.installed
 
-.PHONY: demo test clean-demo
+NOTEBOOKS_STAMP := $(VENV)/.notebooks-installed
+
+.PHONY: demo test notebooks clean-demo
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else "m3jax needs Python 3.12; found " + sys.version.split()[0] + " at " + sys.executable)'
@@ -22,6 +24,14 @@ demo: $(STAMP)
 
 test: $(STAMP) $(HF_STAMP)
 	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+# JupyterLab on the research notebooks (the suite runs them without it: nbclient).
+notebooks: $(NOTEBOOKS_STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+$(NOTEBOOKS_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e '.[test,notebooks]'
+	@touch $(NOTEBOOKS_STAMP)
 
 $(HF_STAMP):
 	@$(HF_PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "parity tests need Python 3.11 (set HF_PYTHON); found " + sys.version.split()[0] + " at " + sys.executable)'
