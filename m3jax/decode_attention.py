@@ -71,10 +71,13 @@ def sparse(
     slots = (read[..., None] * block_size + jnp.arange(block_size)).reshape(
         batch, num_kv_heads, -1
     )  # [B, K, k·block_size]
+    # [B, k·block_size, K]: the gathers land in keys' layout (a transposed gather sent XLA:CPU's
+    # bf16 dot down a path it does not implement: BF16 x BF16 = F32)
+    by_slot = slots.transpose(0, 2, 1)
     rows = jnp.arange(batch)[:, None, None]
-    heads = jnp.arange(num_kv_heads)[None, :, None]
-    gathered_keys = keys[rows, slots, heads].transpose(0, 2, 1, 3)  # [B, k·block_size, K, Dh]
-    gathered_values = values[rows, slots, heads].transpose(0, 2, 1, 3)
+    heads = jnp.arange(num_kv_heads)[None, None, :]
+    gathered_keys = keys[rows, by_slot, heads]  # [B, k·block_size, K, Dh]
+    gathered_values = values[rows, by_slot, heads]
     chosen = jnp.repeat(blocks >= 0, block_size, axis=-1)  # [B, K, k·block_size]
     visible = chosen & (slots <= positions[:, None, None])
     return gqa_attention(q, gathered_keys, gathered_values, visible[:, :, None, None, :])

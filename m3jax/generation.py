@@ -66,8 +66,9 @@ def generate(
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     logits, cache = prefill(
-        config, weights, prompts, pixel_values, image_grid_thw, pixel_values_videos,
-        video_grid_thw, max_new_tokens=max_new_tokens,
+        config, weights, prompts, max_new_tokens=max_new_tokens, pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
+        video_grid_thw=video_grid_thw,
     )  # fmt: skip
     choose = _sampler(sampling)
     rng = jax.random.key(seed)
@@ -92,15 +93,13 @@ def prefill(
     config: ModelConfig,
     weights: dict,
     prompts: np.ndarray | Sequence[Sequence[int]],
-    pixel_values: np.ndarray | None = None,
-    image_grid_thw: np.ndarray | None = None,
-    pixel_values_videos: np.ndarray | None = None,
-    video_grid_thw: np.ndarray | None = None,
     *,
     max_new_tokens: int,
+    **media: np.ndarray | None,
 ) -> tuple[jax.Array, KVCache]:
     """The prompts' forward pass -> (logits [B, V] fp32 at each row's last prompt token, a cache
-    with room for `max_new_tokens` more tokens per row)."""
+    with room for `max_new_tokens` more tokens per row). media: the vision arguments of
+    `generate` (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)."""
     rows = [np.asarray(row, np.int32).reshape(-1) for row in prompts]
     lengths = np.array([len(row) for row in rows], np.int32)
     if not len(rows) or lengths.min() < 1:
@@ -111,11 +110,7 @@ def prefill(
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = row
     padding = np.arange(slots)[None, :] >= lengths[:, None]
-    vision = vision_inputs(
-        config, np.where(padding, -1, tokens), pixel_values=pixel_values,
-        image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
-        video_grid_thw=video_grid_thw,
-    )  # fmt: skip
+    vision = vision_inputs(config, np.where(padding, -1, tokens), **media)
     run = _prefill_program(config, _round_up(slots + max_new_tokens, bucket))
     return run(weights["params"], weights["buffers"], tokens, lengths, vision)
 

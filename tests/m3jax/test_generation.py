@@ -57,6 +57,17 @@ def test_decode_steps_equal_the_full_forward_for_rows_of_different_lengths():
 
 
 @pytest.mark.slow
+def test_bfloat16_decode_steps_stay_with_the_bfloat16_full_forward():
+    config = tiny_run(model={"init_std": 0.3, "msa": MSA, "dtype": "bfloat16"}).model
+    w = weights(config)
+    rows = [np.random.default_rng(5).integers(0, 256, 30)] * 2
+    decoded = teacher_forced_logits(config, w, rows, [24, 9], 5)
+    full = np.asarray(m3jax.forward(config, w, np.stack(rows)))
+    for b, n in enumerate([24, 9]):
+        np.testing.assert_allclose(decoded[:, b], full[b, n - 1 : n + 5], rtol=0, atol=0.05)
+
+
+@pytest.mark.slow
 def test_decode_steps_equal_the_full_forward_after_an_image_prompt():
     w = weights(VISION)
     rng = np.random.default_rng(1)
