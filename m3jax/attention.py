@@ -124,7 +124,7 @@ class Attention(nnx.Module):
                 stats["msa"] = msa_stats
         if mode.kv_cache:
             stats["cache"] = LayerCache(p.k, p.v, p.index_k)
-        return self._output(out), stats
+        return self._output(out, x.dtype), stats
 
     def decode(
         self, x: jax.Array, inputs: AttentionInputs, cache: LayerCache, layer: jax.Array
@@ -148,7 +148,7 @@ class Attention(nnx.Module):
                 topk_blocks=msa.topk_blocks, local_blocks=msa.local_blocks,
             )  # fmt: skip
             out = decode_attention.sparse(p.q, keys, values, blocks, slots, msa.block_size)
-        return self._output(out), cache
+        return self._output(out, x.dtype), cache
 
     def project(self, x: jax.Array, inputs: AttentionInputs) -> Projections:
         """The layer's queries, keys and values (and index branch) after norms and RoPE."""
@@ -162,8 +162,9 @@ class Attention(nnx.Module):
             return Projections(q, k, v, None, None)
         return Projections(q, k, v, *self.indexer(x, inputs))
 
-    def _output(self, out: jax.Array) -> jax.Array:
-        return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(out.dtype))
+    def _output(self, out: jax.Array, dtype) -> jax.Array:
+        """The output projection in the activation dtype (that of the layer's input)."""
+        return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(dtype))
 
     def _sparse(self, p: Projections, inputs: AttentionInputs, mode: ForwardMode):
         """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""

@@ -10,8 +10,8 @@ cache, MSA layers score the cached index keys, keep the query's top-k blocks and
 only (m3jax/decode_attention.py), so a step equals the full forward's last position. Both are
 jitted with static shapes: prompts are right-padded to a multiple of `SLOT_BUCKET` slots and the
 cache holds a multiple of it too, so calls of similar sizes reuse one compilation. Right padding
-keeps every row's tokens at slots 0.. (slot = position), exactly as one unpadded row — and so
-every row's MSA blocks where transformers puts them (left padding would shift them, spec §10).
+keeps every row's tokens at slots 0.. (slot = position), exactly as the row alone, so its MSA
+blocks lie where transformers puts them (left padding would shift them, spec §10).
 
 Shapes: B batch, S prompt slots, T cache slots, V vocab.
 """
