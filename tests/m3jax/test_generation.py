@@ -19,7 +19,7 @@ from m3jax.model import functional
 from pallas_kernels.attention.reference import gqa_attention
 from pallas_kernels.msa import reference
 
-ATOL = 2e-5  # float32 logits of std ≈ 1: decode step vs full forward (observed ≤ 1e-6)
+ATOL = 2e-5  # float32 logits of std ≈ 1.7: decode step vs full forward (observed ≤ 5e-6)
 MSA = {"block_size": 4, "topk_blocks": 3, "local_blocks": 1}  # selection past 12 positions
 TEXT = tiny_run(model={"init_std": 0.3, "msa": MSA}).model
 VISION = tiny_vision_run(model={"init_std": 0.3, "msa": MSA}).model
