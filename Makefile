@@ -9,8 +9,9 @@ HF_VENV := .cache/hf-venv
 HF_STAMP := $(HF_VENV)/.installed
 
 DEMO_BPE_TOKENIZER := .cache/demo-bpe/tokenizer.json
+NOTEBOOKS_STAMP := $(VENV)/.notebooks-installed
 
-.PHONY: demo demo-bpe test clean-demo
+.PHONY: demo demo-bpe test notebooks clean-demo
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else "m3jax needs Python 3.12; found " + sys.version.split()[0] + " at " + sys.executable)'
@@ -32,6 +33,14 @@ $(DEMO_BPE_TOKENIZER): | $(STAMP)
 
 test: $(STAMP) $(HF_STAMP)
 	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+# JupyterLab on the research notebooks (the suite runs them without it: nbclient).
+notebooks: $(NOTEBOOKS_STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+$(NOTEBOOKS_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e '.[test,notebooks]'
+	@touch $(NOTEBOOKS_STAMP)
 
 $(HF_STAMP):
 	@$(HF_PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "parity tests need Python 3.11 (set HF_PYTHON); found " + sys.version.split()[0] + " at " + sys.executable)'

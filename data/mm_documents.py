@@ -121,7 +121,7 @@ class DocumentProcessor:
         length = 1
         for number, segment in enumerate(record["segments"]):
             try:
-                units = self._segment(segment)
+                units = self.segment_units(segment)
             except (MediaError, ValueError) as e:
                 reason = f"segment {number} ({segment['type']}): {e}"
                 raise DocumentError(reason, "bad_media") from None
@@ -138,8 +138,9 @@ class DocumentProcessor:
         modality = np.concatenate([np.asarray(m, np.int8) for m in modality])
         return self._document(where, tokens, modality, unit_spans, unit_items)
 
-    def _segment(self, segment: dict) -> list:
-        """[(ids, modality, VisionItem or None)] for one segment, units marked by their item."""
+    def segment_units(self, segment: dict) -> list:
+        """[(ids, modality, VisionItem or None)] for one record segment, units marked by their
+        item: a text's tokens, an image's bracketed placeholders, a video chunk's (with stamps)."""
         tok, config = self.tokenizer, self.processor
         if segment["type"] == "text":
             ids = tok.encode(segment["text"])

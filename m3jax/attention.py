@@ -5,7 +5,8 @@ A "minimax_m3_sparse" layer adds the lightning indexer: it reads the same normed
 through stop_gradient (spec/msa.md §2: the LM loss never trains the indexer; its own KL loss does),
 scores key blocks and keeps the top-k per (query, index head); query head h uses the selection of
 index head h // G, the same grouping as GQA. During the MSA warm-up (`ForwardMode.msa_dense`) the
-layer attends densely and the indexer learns from the dense attention distribution.
+layer attends densely and the indexer learns from the dense attention distribution. `decode` runs
+one new token per row against a KV cache (m3jax/kv_cache.py) with the same projections.
 
 Shapes: B batch, S sequence, D model width, H query heads, K kv heads (= Hi index heads),
 Dh head dim, Di index head dim, R rotary dims.
@@ -18,10 +19,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from m3jax import attention_ops, params
+from m3jax import attention_ops, decode_attention, params
 from m3jax.config import ModelConfig
+from m3jax.kv_cache import LayerCache, write_token
 from m3jax.norms import RMSNorm
 from m3jax.rope import apply_rope
+
+
+class Projections(NamedTuple):
+    """One attention layer's inputs after norms and RoPE; the index branch only on MSA layers."""
+
+    q: jax.Array  # [B, S, H, Dh]
+    k: jax.Array  # [B, S, K, Dh]
+    v: jax.Array  # [B, S, K, Dh]
+    index_q: jax.Array | None  # [B, S, Hi, Di]
+    index_k: jax.Array | None  # [B, S, Di]: one key head shared by the index heads
 
 
 class AttentionInputs(NamedTuple):
@@ -40,6 +52,7 @@ class ForwardMode:
     msa_dense: bool = False  # MSA warm-up: sparse layers attend densely, the KL teacher is dense
     indexer_loss: bool = False  # sparse layers report the indexer's KL (the loss the trainer adds)
     block_recall: bool = False  # sparse layers report how much of the dense top blocks they keep
+    kv_cache: bool = False  # every layer returns its keys and values (and index keys): a prefill
 
 
 def _mean_over_tokens(x: jax.Array, valid: jax.Array) -> jax.Array:
@@ -99,7 +112,46 @@ class Attention(nnx.Module):
     def __call__(
         self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
     ) -> tuple[jax.Array, dict]:
-        """x: [B, S, D] normed hidden state -> ([B, S, D], MSA stats {kl, recall} as `mode` asks)."""
+        """x: [B, S, D] normed hidden state -> ([B, S, D], stats): on MSA layers "msa" (blocks,
+        kl, recall as `mode` asks); with mode.kv_cache "cache" (this layer's LayerCache entries)."""
+        p = self.project(x, inputs)
+        stats = {}
+        if self.indexer is None:
+            out = attention_ops.dense(self.impl, p.q, p.k, p.v, inputs.segment_ids)
+        else:
+            out, msa_stats = self._sparse(p, inputs, mode)
+            if msa_stats:
+                stats["msa"] = msa_stats
+        if mode.kv_cache:
+            stats["cache"] = LayerCache(p.k, p.v, p.index_k)
+        return self._output(out, x.dtype), stats
+
+    def decode(
+        self, x: jax.Array, inputs: AttentionInputs, cache: LayerCache, layer: jax.Array
+    ) -> tuple[jax.Array, LayerCache]:
+        """One new token per row, attending over the cache (m3jax/decode_attention.py).
+
+        x: [B, 1, D] normed hidden state of tokens at positions inputs.positions [B, 1] (= the
+        tokens each row has cached); cache: the layer stack's cache, of which this is layer
+        `layer`. Returns ([B, 1, D], the cache with this token's entries written at its slot).
+        """
+        p = self.project(x, inputs)
+        slots = inputs.positions[:, 0]
+        cache = write_token(cache, layer, slots, LayerCache(p.k, p.v, p.index_k))
+        keys, values = cache.keys[layer], cache.values[layer]
+        if self.indexer is None:
+            out = decode_attention.dense(p.q, keys, values, slots)
+        else:
+            msa = self.msa
+            blocks = decode_attention.select_blocks(
+                p.index_q, cache.index_keys[layer], slots, block_size=msa.block_size,
+                topk_blocks=msa.topk_blocks, local_blocks=msa.local_blocks,
+            )  # fmt: skip
+            out = decode_attention.sparse(p.q, keys, values, blocks, slots, msa.block_size)
+        return self._output(out, x.dtype), cache
+
+    def project(self, x: jax.Array, inputs: AttentionInputs) -> Projections:
+        """The layer's queries, keys and values (and index branch) after norms and RoPE."""
         dtype = x.dtype
         q = self.q_norm(jnp.einsum("bsd,dhe->bshe", x, self.q_proj[...].astype(dtype)))
         k = self.k_norm(jnp.einsum("bsd,dhe->bshe", x, self.k_proj[...].astype(dtype)))
@@ -107,15 +159,17 @@ class Attention(nnx.Module):
         q = apply_rope(q, inputs.rope_cos, inputs.rope_sin)
         k = apply_rope(k, inputs.rope_cos, inputs.rope_sin)
         if self.indexer is None:
-            out, stats = attention_ops.dense(self.impl, q, k, v, inputs.segment_ids), {}
-        else:
-            out, stats = self._sparse(x, q, k, v, inputs, mode)
-        return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(dtype)), stats
+            return Projections(q, k, v, None, None)
+        return Projections(q, k, v, *self.indexer(x, inputs))
 
-    def _sparse(self, x, q, k, v, inputs: AttentionInputs, mode: ForwardMode):
+    def _output(self, out: jax.Array, dtype) -> jax.Array:
+        """The output projection in the activation dtype (that of the layer's input)."""
+        return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(dtype))
+
+    def _sparse(self, p: Projections, inputs: AttentionInputs, mode: ForwardMode):
         """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""
         msa, segment_ids, positions = self.msa, inputs.segment_ids, inputs.positions
-        index_q, index_k = self.indexer(x, inputs)
+        q, k, v, index_q, index_k = p
         backend = attention_ops.msa_backend(self.impl, msa, q, k, index_q)
         out, kl, blocks = attention_ops.msa_layer(
             backend, msa, q, k, v, index_q, index_k, segment_ids, positions,

@@ -4,17 +4,19 @@ A layer is pre-norm: h = x + Attn(norm_in(x)); out = h + MLP(norm_post(h)), wher
 block on "sparse" layers and the dense MLP on "dense" layers (spec/m3_architecture.md §3.2).
 Consecutive layers of the same kind form a LayerStack whose parameters carry a leading "layers"
 axis and which runs under `lax.scan` (m3jax/stacking.py), so compile time does not grow with depth
-(M3: 3 + 57 layers, two stacks).
+(M3: 3 + 57 layers, two stacks). `decode` runs one new token per row against the stack's KV cache.
 
 Shapes: B batch, S sequence, D model width, Hi index heads, k selected blocks / chosen experts.
 """
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from m3jax.attention import Attention, AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
+from m3jax.kv_cache import LayerCache
 from m3jax.mlp import MLP
 from m3jax.moe import MoE
 from m3jax.norms import RMSNorm
@@ -53,13 +55,23 @@ class DecoderLayer(nnx.Module):
         """x: [B, S, D] -> ([B, S, D], stats).
 
         stats: {"moe": expert statistics} on MoE layers and {"msa": {"blocks": selected key blocks
-        [B, S, Hi, k], plus "kl" / "recall" as `mode` asks}} on MSA layers. Under jit, entries
-        nobody reads cost nothing (dead-code eliminated).
+        [B, S, Hi, k], plus "kl" / "recall" as `mode` asks}} on MSA layers; with mode.kv_cache
+        also "cache" (the layer's keys, values and index keys). Under jit, entries nobody reads
+        cost nothing (dead-code eliminated).
         """
-        attention_out, msa_stats = self.attention(self.input_norm(x), inputs, mode)
-        h = x + attention_out
+        attention_out, stats = self.attention(self.input_norm(x), inputs, mode)
+        return self._feed_forward(x + attention_out, inputs, stats)
+
+    def decode(
+        self, x: jax.Array, inputs: AttentionInputs, cache: LayerCache, layer: jax.Array
+    ) -> tuple[jax.Array, LayerCache]:
+        """One new token per row: x [B, 1, D] -> ([B, 1, D], the stack's cache with its entries)."""
+        attention_out, cache = self.attention.decode(self.input_norm(x), inputs, cache, layer)
+        out, _ = self._feed_forward(x + attention_out, inputs, {})
+        return out, cache
+
+    def _feed_forward(self, h: jax.Array, inputs: AttentionInputs, stats: dict):
         normed = self.post_attention_norm(h)
-        stats = {"msa": msa_stats} if msa_stats else {}
         if isinstance(self.mlp, MoE):
             mlp_out, stats["moe"] = self.mlp(normed, inputs.segment_ids > 0)
         else:
@@ -103,3 +115,19 @@ class LayerStack(nnx.Module):
             return y, ({**stats, "hidden": y} if output_hidden_states else stats)
 
         return scan_layers(self.layers, x, step, self.remat)
+
+    def decode(
+        self, x: jax.Array, inputs: AttentionInputs, cache: LayerCache
+    ) -> tuple[jax.Array, LayerCache]:
+        """One new token per row through every layer: x [B, 1, D] -> ([B, 1, D], updated cache).
+
+        The stack's cache rides in the scan's carry, so each layer writes its token in place.
+        """
+
+        def step(layer: DecoderLayer, carry):
+            x, cache, index = carry
+            x, cache = layer.decode(x, inputs, cache, index)
+            return (x, cache, index + 1), None
+
+        (x, cache, _), _ = scan_layers(self.layers, (x, cache, jnp.int32(0)), step, "none")
+        return x, cache

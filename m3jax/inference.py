@@ -88,6 +88,20 @@ def forward_with_trace(
     return logits, trace
 
 
+def vision_inputs(
+    config: ModelConfig, tokens: np.ndarray, patch_budget: int | None = None, **media
+) -> VisionInputs | None:
+    """transformers' vision arguments (`media`: pixel_values, image_grid_thw, ...) for the tokens
+    [B, S] -> VisionInputs, or None without media. Raises ValueError when they do not fit."""
+    if any(value is not None for value in media.values()):
+        if config.vision is None:
+            raise ValueError("pixel inputs given, but the model is text-only (config.vision=None)")
+        return pack_vision_inputs(tokens, config.vision, patch_budget=patch_budget, **media)
+    if config.vision is not None:
+        pack_vision_inputs(tokens, config.vision)  # raises if placeholders have no pixels
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled(config: ModelConfig):
     model = functional(config)
@@ -102,11 +116,5 @@ def _inputs(config, input_ids, positions, segment_ids, patch_budget, **media):
         positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     if segment_ids is None:
         segment_ids = np.ones(tokens.shape, np.int32)
-    vision: VisionInputs | None = None
-    if any(value is not None for value in media.values()):
-        if config.vision is None:
-            raise ValueError("pixel inputs given, but the model is text-only (config.vision=None)")
-        vision = pack_vision_inputs(tokens, config.vision, patch_budget=patch_budget, **media)
-    elif config.vision is not None:
-        pack_vision_inputs(tokens, config.vision)  # raises if placeholders have no pixels
+    vision = vision_inputs(config, tokens, patch_budget, **media)
     return tokens, np.asarray(positions, np.int32), np.asarray(segment_ids, np.int32), vision

@@ -5,6 +5,7 @@ M3Model: embeddings (no √d scaling) -> layer stacks -> final Gemma norm -> unt
 their merged features replace the embeddings of image/video placeholder tokens (§5.3) before the
 first layer. With `config.mtp.num_modules`, multi-token-prediction modules (m3jax/mtp.py) follow
 the trunk; only `with_mtp` runs them, so inference and export parity see the plain model.
+`decode` appends one token per row to a KV cache (generation, m3jax/generation.py).
 `Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested dicts of
 arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph inside
 the traced function.
@@ -25,6 +26,7 @@ from m3jax import params
 from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStack
+from m3jax.kv_cache import KVCache
 from m3jax.moe import balanced_bias
 from m3jax.mtp import MultiTokenPrediction
 from m3jax.norms import RMSNorm
@@ -73,8 +75,9 @@ class M3Model(nnx.Module):
         mode: static switches of the MSA layers (warm-up, indexer loss, recall).
 
         Returns logits [B, S, V] fp32 and, per layer stack, stats stacked over its layers:
-        "moe" {load, score_share, experts}, "msa" {blocks, and kl / recall as `mode` asks}, and
-        with output_hidden_states "hidden" (each layer's output). The embeddings after the
+        "moe" {load, score_share, experts}, "msa" {blocks, and kl / recall as `mode` asks}, with
+        mode.kv_cache "cache" (keys, values, index keys: m3jax/kv_cache.py), and with
+        output_hidden_states "hidden" (each layer's output). The embeddings after the
         placeholder scatter are `embeddings(...)`.
         """
         _, hidden, _, stats = self._trunk(
@@ -117,6 +120,19 @@ class M3Model(nnx.Module):
             x, stack_stats = stack(x, inputs, mode, output_hidden_states=output_hidden_states)
             stats.append(stack_stats)
         return embeddings, x, inputs, stats
+
+    def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """One new text token per row, tokens [B, 1] at positions cache.lengths -> (logits [B, V]
+        fp32, the cache with the tokens appended). Prefill the cache with mode.kv_cache."""
+        positions = cache.lengths[:, None]
+        cos, sin = rope_tables(positions, self.config.rotary_dim, self.config.rope_theta)
+        inputs = AttentionInputs(positions, jnp.ones_like(positions), cos, sin)
+        x = self.embeddings(tokens, None)
+        stacks = []
+        for stack, stack_cache in zip(self.stacks, cache.stacks, strict=True):
+            x, stack_cache = stack.decode(x, inputs, stack_cache)
+            stacks.append(stack_cache)
+        return self.head(self.final_norm(x))[:, 0], KVCache(tuple(stacks), cache.lengths + 1)
 
     def embeddings(self, tokens: jax.Array, vision: VisionInputs | None) -> jax.Array:
         """First layer input [B, S, D]: token embeddings, placeholders replaced by features."""
@@ -188,6 +204,12 @@ class Functional:
     ) -> jax.Array:
         """The first layer's input [B, S, D]: see M3Model.embeddings."""
         return nnx.merge(self.graphdef, params, buffers).embeddings(tokens, vision)
+
+    def decode(
+        self, params: dict, buffers: dict, tokens: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """One generation step: see M3Model.decode (m3jax/generation.py drives it)."""
+        return nnx.merge(self.graphdef, params, buffers).decode(tokens, cache)
 
     def on_mesh(self, mesh: Mesh) -> "Functional":
         """The same model with its MoE layers expert-parallel over `mesh` (see `functional`)."""

@@ -80,3 +80,14 @@ def tree_shardings(axes_tree, shapes_tree, mesh: Mesh):
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of [B, S] input arrays: rows over the data-parallel axes, sequence over seq."""
     return NamedSharding(mesh, PartitionSpec(dict(RULES)["batch"], dict(RULES)["seq"]))
+
+
+def bytes_per_device(shapes_tree, shardings_tree) -> int:
+    """Bytes each device holds of a pytree of arrays (or ShapeDtypeStructs) under its shardings
+    (NamedShardings on a Mesh or an AbstractMesh: a plan needs no devices)."""
+    leaves = jax.tree.leaves(shapes_tree)
+    shardings = jax.tree.leaves(shardings_tree, is_leaf=lambda x: isinstance(x, NamedSharding))
+    return sum(
+        math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x, s in zip(leaves, shardings, strict=True)
+    )

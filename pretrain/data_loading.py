@@ -17,11 +17,12 @@ from data.mm_loader import MultimodalLoader, ShardSource
 from data.text_corpus import load_documents
 from data.text_loader import PackedTextLoader
 from data.tokenizer import ByteTokenizer
+from m3jax.config import ModelConfig
 from pretrain.config import PLACEHOLDER_IDS, RunConfig, RunError
 
 
 def make_loader(run: RunConfig) -> PackedTextLoader | MultimodalLoader:
-    tokenizer = run_tokenizer(run)
+    tokenizer = run_tokenizer(run, media=bool(run.data.shards))
     if run.data.shards:
         return _multimodal_loader(run, tokenizer, run.data.shards, run.data.weights, "data.shards")
     try:
@@ -37,33 +38,50 @@ def make_loader(run: RunConfig) -> PackedTextLoader | MultimodalLoader:
 def make_eval_loader(run: RunConfig) -> MultimodalLoader:
     """The held-out batches' loader: `eval.shards` (equal weights) with the data section's
     tokenizer, row shape, processor and seed."""
-    return _multimodal_loader(run, run_tokenizer(run), run.eval.shards, (), "eval.shards")
+    return _multimodal_loader(
+        run, run_tokenizer(run, media=True), run.eval.shards, (), "eval.shards"
+    )
 
 
-def run_tokenizer(run: RunConfig) -> ByteTokenizer | BPETokenizer:
-    """`data.tokenizer`, checked against model.vocab_size."""
-    try:
-        tokenizer = load_tokenizer(run.data.tokenizer)
-    except (OSError, TokenizerError) as e:
-        raise RunError(f"data.tokenizer={run.data.tokenizer!r}: {e}") from None
-    if run.model.vocab_size < tokenizer.vocab_size:
-        raise RunError(
-            f"model.vocab_size={run.model.vocab_size} is smaller than the {tokenizer.vocab_size} "
-            f"ids of data.tokenizer={run.data.tokenizer!r}"
-        )
+def run_tokenizer(run: RunConfig, *, media: bool) -> ByteTokenizer | BPETokenizer:
+    """`data.tokenizer`, checked against the model's vocabulary and, for data with media (shard
+    sets), its placeholder ids."""
+    tokenizer = named_tokenizer(run.data.tokenizer)
+    check_tokenizer(run.model, tokenizer, run.data.tokenizer, media=media)
     return tokenizer
 
 
+def named_tokenizer(name: str) -> ByteTokenizer | BPETokenizer:
+    """ "bytes" or a tokenizer.json path (data.tokenizer); RunError for an unusable file."""
+    try:
+        return load_tokenizer(name)
+    except (OSError, TokenizerError) as e:
+        raise RunError(f"data.tokenizer={name!r}: {e}") from None
+
+
+def check_tokenizer(
+    model: ModelConfig, tokenizer: ByteTokenizer | BPETokenizer, name: str, *, media: bool
+) -> None:
+    """RunError unless the model has an embedding row for every id of the tokenizer and, when
+    inputs hold media for a vision tower, the tokenizer's image/video placeholder ids."""
+    if model.vocab_size < tokenizer.vocab_size:
+        raise RunError(
+            f"model.vocab_size={model.vocab_size} is smaller than the {tokenizer.vocab_size} "
+            f"ids of data.tokenizer={name!r}"
+        )
+    if model.vision is None or not media:
+        return
+    for field, role in PLACEHOLDER_IDS.items():
+        if getattr(model.vision, field) != getattr(tokenizer, role):
+            raise RunError(
+                f"model.vision.{field}={getattr(model.vision, field)} is not the tokenizer's "
+                f"placeholder id {getattr(tokenizer, role)} (data.tokenizer={name!r}); "
+                "leave it out to take the tokenizer's"
+            )
+
+
 def _multimodal_loader(run, tokenizer, shards, weights, field: str) -> MultimodalLoader:
-    data, vision = run.data, run.model.vision
-    if vision is not None:
-        for name, role in PLACEHOLDER_IDS.items():
-            if getattr(vision, name) != getattr(tokenizer, role):
-                raise RunError(
-                    f"model.vision.{name}={getattr(vision, name)} is not the tokenizer's "
-                    f"placeholder id {getattr(tokenizer, role)} (data.tokenizer="
-                    f"{data.tokenizer!r}); leave it out to take the tokenizer's"
-                )
+    data = run.data
     weights = weights or (1.0,) * len(shards)
     if jax.process_count() > 1 and data.batch_size % jax.process_count():
         raise RunError(

@@ -17,14 +17,11 @@ import sys
 
 from tqdm import tqdm
 
-from m3jax.config_loading import from_mapping, load_yaml
-from m3jax.convert.layout import leaf_shapes, tensor_specs
+from m3jax.convert.layout import tensor_specs
 from m3jax.convert.pretrained import EXPORT_DTYPES, staged_output, write_checkpoint
 from m3jax.convert.safetensors_io import parse_size
-from pretrain.checkpoint_arrays import open_leaves
-from pretrain.checkpointing import CheckpointError, Checkpoints
 from pretrain.cli import add_debug_flag, run_command
-from pretrain.config import CheckpointConfig, RunConfig
+from pretrain.run_checkpoint import open_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,51 +55,20 @@ def export(
     overwrite: bool,
 ) -> int:
     """Writes the checkpoint of `step` (None: the latest) to `output`; returns the step."""
-    config_path = run_dir / "config.yaml"
-    if not config_path.exists():
-        raise CheckpointError(f"{config_path}: not found (is {run_dir} an m3-train run?)")
-    model = from_mapping(RunConfig, load_yaml(config_path), where=str(config_path)).model
-    step = _checkpoint_step(run_dir / "checkpoints", step)
-    state_dir = run_dir / "checkpoints" / str(step) / "state"
-    try:
-        arrays = open_leaves(state_dir)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{state_dir}: cannot open checkpoint ({e})") from None
-    for leaf, shape in leaf_shapes(model).items():
-        keys = tuple(map(str, leaf))
-        if keys not in arrays or tuple(arrays[keys].shape) != shape:
-            found = tuple(arrays[keys].shape) if keys in arrays else "nothing"
-            raise CheckpointError(
-                f"{state_dir}: {'.'.join(keys)} should have shape {shape} for the model in "
-                f"{config_path}, found {found}"
-            )
+    checkpoint = open_run(run_dir, step)
+    model, arrays = checkpoint.run.model, checkpoint.arrays
     bar = tqdm(total=len(tensor_specs(model)), desc="m3-export", unit="tensor")
     with bar, staged_output(output, overwrite=overwrite) as staging:
         write_checkpoint(
             staging,
             model,
-            lambda leaf, index: arrays[tuple(map(str, leaf))][index].read().result(),
+            lambda leaf, index: arrays[leaf][index].read().result(),
             dtype=dtype,
             shard_size=shard_size,
             on_tensor=lambda name: bar.update(1),
         )
-    print(f"m3-export: step {step} of {run_dir} -> {output} ({dtype})")
-    return step
-
-
-def _checkpoint_step(directory: pathlib.Path, step: int | None) -> int:
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no checkpoints directory")
-    checkpoints = Checkpoints(directory, CheckpointConfig(async_save=False))
-    steps = checkpoints.all_steps()
-    checkpoints.close()
-    if not steps:
-        raise CheckpointError(f"{directory}: holds no finished checkpoint")
-    if step is None:
-        return max(steps)
-    if step not in steps:
-        raise CheckpointError(f"{directory}: no checkpoint for step {step} (have {sorted(steps)})")
-    return step
+    print(f"m3-export: step {checkpoint.step} of {run_dir} -> {output} ({dtype})")
+    return checkpoint.step
 
 
 if __name__ == "__main__":

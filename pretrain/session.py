@@ -176,22 +176,28 @@ class TrainingSession:
         )
 
     def _state_shardings(self) -> dict:
-        mesh, model, abstract = self.mesh, self.model, self.abstract_state
-        replicated = NamedSharding(mesh, PartitionSpec())
-        params = sharding.tree_shardings(model.param_axes, abstract["params"], mesh)
-        opt_state = optax.tree_map_params(
-            self.optimizer,
-            lambda _, s: s,
-            abstract["opt_state"],
-            params,
-            transform_non_params=lambda _: replicated,
-        )
-        return {
-            "step": replicated,
-            "params": params,
-            "buffers": sharding.tree_shardings(model.buffer_axes, abstract["buffers"], mesh),
-            "opt_state": opt_state,
-        }
+        return state_shardings(self.model, self.optimizer, self.abstract_state, self.mesh)
+
+
+def state_shardings(model: Functional, optimizer, abstract_state: dict, mesh) -> dict:
+    """Where each leaf of a train state lives on `mesh` (a Mesh, or an AbstractMesh to plan
+    without devices): params and buffers by their logical axes, optimizer moments like their
+    parameters, the rest replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = sharding.tree_shardings(model.param_axes, abstract_state["params"], mesh)
+    opt_state = optax.tree_map_params(
+        optimizer,
+        lambda _, s: s,
+        abstract_state["opt_state"],
+        params,
+        transform_non_params=lambda _: replicated,
+    )
+    return {
+        "step": replicated,
+        "params": params,
+        "buffers": sharding.tree_shardings(model.buffer_axes, abstract_state["buffers"], mesh),
+        "opt_state": opt_state,
+    }
 
 
 def msa_phase(run: RunConfig, tokens_seen: int) -> str | None:

@@ -6,6 +6,8 @@
         layout, sharded) and DIR/memory (state_dict in transformers' in-memory layout).
     python hf_side.py run --model DIR --inputs INPUTS.npz --out RESULTS.npz
         loads DIR with from_pretrained and runs every case of INPUTS.npz.
+    python hf_side.py generate --model DIR --inputs INPUTS.npz --max-new-tokens N --out OUT.npz
+        greedy `generate` of N new tokens for every (one-row) case: OUT.npz holds C.tokens [1, N].
 
 INPUTS.npz holds, per case C: C.input_ids [B, S] and optionally C.pixel_values, C.image_grid_thw,
 C.pixel_values_videos, C.video_grid_thw. RESULTS.npz holds per case: C.logits [B, S, V];
@@ -52,27 +54,50 @@ def make(config_path: str, seed: int, out: str) -> None:
 
 
 def run(model_dir: str, inputs_path: str, out: str) -> None:
-    model, info = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32, output_loading_info=True
-    )
-    model.eval()
+    model, info = load(model_dir)
     inputs = np.load(inputs_path)
-    cases = sorted({key.split(".")[0] for key in inputs.files})
     results = {
         "loading_info": np.array(json.dumps({k: sorted(map(str, v)) for k, v in info.items()}))
     }
-    for case in cases:
-        kwargs = {
-            name: torch.from_numpy(inputs[f"{case}.{name}"])
-            for name in ("input_ids", *MEDIA)
-            if f"{case}.{name}" in inputs.files
-        }
+    for case, kwargs in cases(inputs):
         with Recorder(model) as recorder, torch.no_grad():
             logits = model(**kwargs).logits
         results[f"{case}.logits"] = logits.numpy()
         for key, value in recorder.results().items():
             results[f"{case}.{key}"] = value
     np.savez(out, **results)
+
+
+def generate(model_dir: str, inputs_path: str, max_new_tokens: int, out: str) -> None:
+    """Greedy `generate` (KV cache on, transformers' default) of every case, one row each."""
+    model, _ = load(model_dir)
+    results = {}
+    for case, kwargs in cases(np.load(inputs_path)):
+        prompt_length = kwargs["input_ids"].shape[1]
+        with torch.no_grad():
+            ids = model.generate(
+                **kwargs, attention_mask=torch.ones_like(kwargs["input_ids"]), do_sample=False,
+                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0,
+            )  # fmt: skip
+        results[f"{case}.tokens"] = ids[:, prompt_length:].numpy()
+    np.savez(out, **results)
+
+
+def load(model_dir: str):
+    model, info = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, output_loading_info=True
+    )
+    return model.eval(), info
+
+
+def cases(inputs):
+    """(case, transformers kwargs) for every case C of an INPUTS.npz."""
+    for case in sorted({key.split(".")[0] for key in inputs.files}):
+        yield case, {
+            name: torch.from_numpy(inputs[f"{case}.{name}"])
+            for name in ("input_ids", *MEDIA)
+            if f"{case}.{name}" in inputs.files
+        }
 
 
 class Recorder:
@@ -140,12 +165,19 @@ def main(argv: list[str]) -> None:
     run_parser.add_argument("--model", required=True)
     run_parser.add_argument("--inputs", required=True)
     run_parser.add_argument("--out", required=True)
+    generate_parser = commands.add_parser("generate")
+    generate_parser.add_argument("--model", required=True)
+    generate_parser.add_argument("--inputs", required=True)
+    generate_parser.add_argument("--max-new-tokens", type=int, required=True)
+    generate_parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     if args.command == "make":
         make(args.config, args.seed, args.out)
-    else:
+    elif args.command == "run":
         run(args.model, args.inputs, args.out)
+    else:
+        generate(args.model, args.inputs, args.max_new_tokens, args.out)
 
 
 if __name__ == "__main__":

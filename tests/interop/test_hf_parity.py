@@ -11,7 +11,10 @@ load the same way and give m3jax's logits.
 Cases: text only, one image, a video in two chunks, and a batch of two rows mixing both. MSA
 selection is active (block 4, top-3 of up to 12 blocks), the swigluoai clamps fire, norms and
 correction biases are non-zero. Besides logits (fp32, within 1e-4), every layer's hidden state,
-every MSA layer's selected blocks and every MoE layer's routed experts must agree.
+every MSA layer's selected blocks and every MoE layer's routed experts must agree. Generation:
+transformers' greedy `generate` (its KV cache, index keys cached) on the imported model, one
+prompt at a time, gives token for token what `m3jax.generate` gives, prompt by prompt and for all
+prompts (of different lengths, text, image and video) in one batch.
 
 transformers runs in a side venv (Python 3.11, torch 2.13 CPU, transformers 5.23; `make test`
 builds it once in .cache/hf-venv): the two sides exchange npz/safetensors files in tmp dirs.
@@ -77,6 +80,7 @@ HF_CONFIG = {
     "video_token_index": VIDEO,
 }
 CASES = ("text", "image", "video", "mixed")
+NEW_TOKENS = 12  # greedy steps compared with transformers' generate
 
 
 def make_cases(seed: int) -> dict[str, np.ndarray]:
@@ -112,6 +116,18 @@ def make_cases(seed: int) -> dict[str, np.ndarray]:
         "mixed.video_grid_thw": mixed_video,
     }
     return {k: v.astype(np.int64) if "ids" in k or "thw" in k else v for k, v in cases.items()}
+
+
+def generation_prompts(seed: int) -> dict[str, np.ndarray]:
+    """One-row prompts, longer than 3 blocks of 4 (the decode selection drops blocks)."""
+    cases = make_cases(seed)
+    prompts = {
+        "long.input_ids": cases["text.input_ids"][:1],
+        "short.input_ids": cases["text.input_ids"][1:, :19],
+        **{k.replace("image.", "picture."): v for k, v in cases.items() if k.startswith("image.")},
+        **{k.replace("video.", "clip."): v for k, v in cases.items() if k.startswith("video.")},
+    }
+    return prompts
 
 
 def hf_side(*args: str) -> None:
@@ -205,6 +221,39 @@ def selected_sets(indices: np.ndarray) -> list:
     """[..., k] ids (-1 = none) -> nested list of sets: only the selected set is meaningful."""
     flat = indices.reshape(-1, indices.shape[-1])
     return [frozenset(int(i) for i in row if i >= 0) for row in flat]
+
+
+@pytest.fixture(scope="module")
+def hf_generated(tmp_path_factory, imported):
+    """transformers' greedy continuations of `generation_prompts`, one prompt per call."""
+    work = tmp_path_factory.mktemp("generate")
+    np.savez(work / "prompts.npz", **generation_prompts(seed=0))
+    hf_side("generate", "--model", str(imported[0] / "upstream"), "--inputs",
+            str(work / "prompts.npz"), "--max-new-tokens", str(NEW_TOKENS),
+            "--out", str(work / "tokens.npz"))  # fmt: skip
+    return dict(np.load(work / "tokens.npz"))
+
+
+@pytest.mark.slow
+def test_greedy_generation_matches_transformers_generate_token_for_token(imported, hf_generated):
+    _, config, weights, _ = imported
+    prompts = generation_prompts(seed=0)
+    names = sorted({key.split(".")[0] for key in prompts})
+    expected = {name: hf_generated[f"{name}.tokens"][0] for name in names}
+    assert len({len(prompts[f"{n}.input_ids"][0]) for n in names}) == len(names)  # all differ
+    for name in names:
+        inputs = {k.split(".", 1)[1]: v for k, v in prompts.items() if k.startswith(name + ".")}
+        ours = m3jax.generate(config, weights, inputs.pop("input_ids"), **inputs,
+                              max_new_tokens=NEW_TOKENS)  # fmt: skip
+        np.testing.assert_array_equal(ours[0], expected[name], err_msg=name)
+    media = {
+        key: np.concatenate([prompts[f"{n}.{key}"] for n in names if f"{n}.{key}" in prompts])
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    }
+    batched = m3jax.generate(config, weights, [prompts[f"{n}.input_ids"][0] for n in names],
+                             **media, max_new_tokens=NEW_TOKENS)  # fmt: skip
+    np.testing.assert_array_equal(batched, np.stack([expected[n] for n in names]))
+    assert len({tuple(row) for row in batched}) == len(names)  # the continuations differ
 
 
 def test_hf_loads_the_export_without_missing_or_unexpected_tensors(exported):
