@@ -7,8 +7,9 @@ Each variant is the config with `section.key=value` overrides (space-separated i
 argument). A variant's step is `pretrain.train_step.make_train_step` jitted, on synthetic packed
 rows (random tokens; documents of random lengths, so rows hold several), in the MSA sparse phase
 with the indexer loss, as `m3-train` runs after the warm-up. Reports the median step time over
-`--steps` steps after two warm-up steps, tokens/s and the ratio to the first variant measured in
-the same run. The last stdout line is JSON.
+`--steps` steps after two warm-up steps, tokens/s, the device's peak memory and the ratio to the
+first variant measured in the same run; `--profile DIR` adds the first variant's device time by
+kernel (benchmarks/trace_summary.py). The last stdout line is JSON.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import trace_summary
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain.config import load_run_config
@@ -50,7 +52,9 @@ def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, mean_docume
     }
 
 
-def time_variant(config_path: str, overrides: list[str], steps: int) -> dict:
+def time_variant(
+    config_path: str, overrides: list[str], steps: int, trace_dir: str | None = None
+) -> dict:
     run = load_run_config(config_path, overrides)
     model = functional(run.model)
     optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)
@@ -68,11 +72,19 @@ def time_variant(config_path: str, overrides: list[str], steps: int) -> dict:
         losses.append(float(jax.block_until_ready(metrics["loss"])))
         if i >= 2:
             times.append(time.perf_counter() - start)
+    if trace_dir:  # where the device time of two more steps goes, kernel by kernel
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(2):
+                state, metrics = step(state, batch, TRAIN)
+                jax.block_until_ready(metrics["loss"])
+        print(trace_summary.report(trace_summary.summarize(trace_dir), steps=2), flush=True)
+    memory = jax.devices()[0].memory_stats() or {}
     seconds = float(np.median(times))
     tokens = run.data.batch_size * run.data.seq_len
     return {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tokens": tokens,
             "first_loss": losses[0], "last_loss": losses[-1],
-            "finite": bool(np.isfinite(losses).all())}  # fmt: skip
+            "finite": bool(np.isfinite(losses).all()),
+            "peak_gb": memory.get("peak_bytes_in_use", 0) / 1e9}  # fmt: skip
 
 
 def main() -> None:
@@ -80,12 +92,15 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--variants", nargs="+", default=[""])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also trace two steps of the first variant and print its kernels")  # fmt: skip
     args = parser.parse_args()
     rows = []
     for variant in args.variants:
         try:
             row = {"variant": variant or "as configured",
-                   **time_variant(args.config, variant.split(), args.steps)}  # fmt: skip
+                   **time_variant(args.config, variant.split(), args.steps,
+                                  args.profile if not rows else None)}  # fmt: skip
         except Exception as e:  # e.g. out of memory: record it, keep going
             row = {"variant": variant or "as configured", "error": str(e).splitlines()[0][:300]}
         if rows and "tokens_per_s" in row and "tokens_per_s" in rows[0]:

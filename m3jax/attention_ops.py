@@ -5,8 +5,9 @@ Every MSA backend module implements the signatures that `pallas_kernels/msa/refe
 one field:
 - "reference": the O(S²) `jnp` references (exact, readable; tests and short S);
 - "xla": query-tiled XLA with memory linear in S (pallas_kernels/*/xla.py);
-- "pallas": the MSA Pallas GPU kernels (pallas_kernels/msa/pallas.py), an error where they
-  cannot run the layer;
+- "pallas": the GPU kernels — MSA's Pallas kernels (pallas_kernels/msa/pallas.py) and cuDNN's
+  packed flash attention for dense attention (pallas_kernels/attention/cudnn.py) — an error
+  where they cannot run the layer;
 - "auto" (default): "pallas" on GPUs where the kernels apply, else "xla".
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
@@ -18,6 +19,7 @@ from types import ModuleType
 import jax
 
 from m3jax.config import MSAConfig
+from pallas_kernels.attention import cudnn as attention_cudnn
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
 from pallas_kernels.msa import pallas as msa_pallas
@@ -42,11 +44,23 @@ def msa_backend(
     return msa_xla if reason else msa_pallas
 
 
-def dense(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Causal attention within documents (full-attention layers) -> out [B, S, H, Dh]."""
+def dense(
+    impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal=True
+) -> jax.Array:
+    """Attention within documents -> out [B, S, H, Dh]: causal for full-attention layers,
+    bidirectional within each segment (one image or video chunk) for the ViT."""
     if impl == "reference":
-        return gqa_attention(q, k, v, document_causal_mask(segment_ids)[:, None, None])
-    return attention_xla.dense_attention(q, k, v, segment_ids)[0]
+        mask = segment_ids[:, :, None] == segment_ids[:, None, :]
+        if causal:
+            mask = document_causal_mask(segment_ids)
+        return gqa_attention(q, k, v, mask[:, None, None])
+    if impl in ("pallas", "auto"):
+        reason = attention_cudnn.unsupported_reason(q, k)
+        if impl == "pallas" and reason:
+            raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
+        if not reason:
+            return attention_cudnn.dense_attention(q, k, v, segment_ids, causal=causal)
+    return attention_xla.dense_attention(q, k, v, segment_ids, causal=causal)[0]
 
 
 def msa_layer(

@@ -7,7 +7,8 @@ x += out_proj(MHA(RoPE(q(LN1 x)), RoPE(k(LN1 x)), v(LN1 x))); x += fc2(GELU(fc1(
 Attention is bidirectional and confined to one segment: one image, or one video chunk (a row of
 grid_thw). Patches come in N rows (one per training row; one row for transformers-style inputs) of a
 fixed patch budget P, with a segment id per patch (0 = padding, so shapes stay static under jit);
-attention never leaves a row, so its cost is N·P², not (N·P)².
+attention never leaves a segment (attention_ops.dense, causal=False: query-tiled XLA, or cuDNN's
+packed flash attention on GPU), so its cost is Σ segment², and its memory never [P, P].
 
 Shapes: N rows, P patches per row, Dv vision width, H vision heads, Dh vision head dim, F MLP width,
 R rotary dims.
@@ -18,13 +19,12 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
-from m3jax import params
+from m3jax import attention_ops, params
 from m3jax.config import ModelConfig, VisionConfig
 from m3jax.linear import Linear
 from m3jax.norms import LayerNorm
 from m3jax.rope import apply_rope, axial_rope_tables
 from m3jax.stacking import scan_layers, stacked_layers
-from pallas_kernels.attention.reference import gqa_attention
 
 
 class PatchInputs(NamedTuple):
@@ -32,11 +32,11 @@ class PatchInputs(NamedTuple):
 
     rope_cos: jax.Array  # [N, P, R] fp32
     rope_sin: jax.Array  # [N, P, R] fp32
-    mask: jax.Array  # [N, P, P] bool: same segment (padding patches see only padding)
+    segment_ids: jax.Array  # [N, P] int32: a patch sees its segment's (padding sees padding)
 
 
 class VisionAttention(nnx.Module):
-    def __init__(self, vision: VisionConfig, std: float, *, rngs: nnx.Rngs):
+    def __init__(self, vision: VisionConfig, std: float, impl: str, *, rngs: nnx.Rngs):
         width, heads, head_dim = vision.hidden_size, vision.num_heads, vision.head_dim
         qkv_axes = ("embed", "heads", "head_dim")
         self.q_proj = Linear((width,), (heads, head_dim), qkv_axes, std=std, rngs=rngs)
@@ -44,12 +44,14 @@ class VisionAttention(nnx.Module):
         self.v_proj = Linear((width,), (heads, head_dim), qkv_axes, std=std, rngs=rngs)
         out_axes = ("heads", "head_dim", "embed")
         self.out_proj = Linear((heads, head_dim), (width,), out_axes, std=std, rngs=rngs)
+        self.impl = impl  # config.attention_impl: cuDNN's packed flash attention on GPU
 
     def __call__(self, x: jax.Array, inputs: PatchInputs) -> jax.Array:
         """x: [N, P, Dv] -> [N, P, Dv]; multi-head (K = H), bidirectional within each segment."""
         q = apply_rope(self.q_proj(x), inputs.rope_cos, inputs.rope_sin)  # [N, P, H, Dh]
         k = apply_rope(self.k_proj(x), inputs.rope_cos, inputs.rope_sin)
-        out = gqa_attention(q, k, self.v_proj(x), inputs.mask[:, None, None])
+        v = self.v_proj(x)
+        out = attention_ops.dense(self.impl, q, k, v, inputs.segment_ids, causal=False)
         return self.out_proj(out)
 
 
@@ -64,9 +66,9 @@ class VisionMLP(nnx.Module):
 
 
 class VisionEncoderLayer(nnx.Module):
-    def __init__(self, vision: VisionConfig, std: float, *, rngs: nnx.Rngs):
+    def __init__(self, vision: VisionConfig, std: float, impl: str, *, rngs: nnx.Rngs):
         self.norm1 = LayerNorm(vision.hidden_size, vision.layer_norm_eps)
-        self.attention = VisionAttention(vision, std, rngs=rngs)
+        self.attention = VisionAttention(vision, std, impl, rngs=rngs)
         self.norm2 = LayerNorm(vision.hidden_size, vision.layer_norm_eps)
         self.mlp = VisionMLP(vision, std, rngs=rngs)
 
@@ -83,7 +85,9 @@ class VisionTower(nnx.Module):
         )
         self.pre_norm = LayerNorm(vision.hidden_size, vision.layer_norm_eps)
         self.layers = stacked_layers(
-            lambda rngs: VisionEncoderLayer(vision, std, rngs=rngs), vision.num_layers, rngs
+            lambda rngs: VisionEncoderLayer(vision, std, config.attention_impl, rngs=rngs),
+            vision.num_layers,
+            rngs,
         )
         self.head_dim, self.rope_theta = vision.head_dim, vision.rope_theta
         self.dtype, self.remat = config.dtype, config.remat
@@ -96,7 +100,6 @@ class VisionTower(nnx.Module):
         x = patches.astype(self.dtype) @ self.patch_embed[...].astype(self.dtype)
         x = self.pre_norm(x)
         cos, sin = axial_rope_tables(positions, self.head_dim, self.rope_theta)
-        mask = segment_ids[:, :, None] == segment_ids[:, None, :]
-        inputs = PatchInputs(cos, sin, mask)
+        inputs = PatchInputs(cos, sin, segment_ids)
         x, _ = scan_layers(self.layers, x, lambda layer, x: (layer(x, inputs), None), self.remat)
         return x

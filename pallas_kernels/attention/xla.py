@@ -1,4 +1,4 @@
-"""Dense causal GQA attention over packed documents in plain XLA, with memory linear in S.
+"""Dense GQA attention over packed documents in plain XLA, with memory linear in S.
 
 Queries are processed in tiles of `query_tile` under `lax.map`; each tile sees all keys, so a tile
 holds [Tq, H, T] logits and never the [S, T] matrix. The tile body is rematerialised in the backward
@@ -6,7 +6,8 @@ pass (`jax.checkpoint`), so nothing tile-sized is stored across tiles. Optionall
 compute a distillation KL from the attention distribution (averaged over each GQA group) to a
 student's softmax — the MSA indexer's dense warm-up objective (spec/msa.md §2).
 
-Equivalent to `reference.gqa_attention(q, k, v, document_causal_mask(segment_ids))`.
+Equivalent to `reference.gqa_attention(q, k, v, document_causal_mask(segment_ids))` (or, with
+causal=False, to the same-segment mask: the ViT's).
 Shapes: B batch, S queries, T keys (= S), H query heads, K kv heads, G = H // K, Dh head dim,
 Hi student heads (= K), Di student dim, Tq query tile.
 """
@@ -25,6 +26,7 @@ def dense_attention(
     *,
     student: tuple[jax.Array, jax.Array] | None = None,
     query_tile: int = 64,
+    causal: bool = True,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal attention within documents; optionally the KL to a student over the same keys.
 
@@ -35,6 +37,8 @@ def dense_attention(
         keys query i sees; the teacher is the attention distribution averaged over group h's heads
         (stop_gradient). Gradients of the KL reach only the student's inputs.
       query_tile: queries per tile; S is padded up to a multiple of it.
+      causal: False attends to every key of the same segment (the ViT's segments: one image or
+        video chunk each).
     Returns:
       out [B, S, H, Dh] and KL(teacher ‖ student) [B, S, Hi] fp32 (None without a student).
     """
@@ -49,7 +53,7 @@ def dense_attention(
     def attend_tile(args):
         index, q_tile, segment_tile, student_q = args
         slots = index * tile + jnp.arange(tile)
-        visible = visible_keys(slots, segment_tile, segment_ids)  # [B, Tq, T]
+        visible = visible_keys(slots, segment_tile, segment_ids, causal=causal)  # [B, Tq, T]
         logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1)
@@ -83,11 +87,15 @@ def distillation_kl(teacher: jax.Array, student_logits: jax.Array, visible: jax.
     return jnp.where(visible, terms, 0.0).sum(axis=-1)
 
 
-def visible_keys(slots: jax.Array, segment_tile: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """[B, Tq, T] bool: key j is visible to the query in slot `slots[q]` iff j <= slot and both are
-    in the same document. slots: [Tq]; segment_tile: [B, Tq]; segment_ids: [B, T]."""
-    causal = jnp.arange(segment_ids.shape[1])[None, None, :] <= slots[None, :, None]
-    return causal & (segment_ids[:, None, :] == segment_tile[:, :, None])
+def visible_keys(
+    slots: jax.Array, segment_tile: jax.Array, segment_ids: jax.Array, *, causal: bool = True
+) -> jax.Array:
+    """[B, Tq, T] bool: key j is visible to the query in slot `slots[q]` iff both are in the same
+    document and (when causal) j <= slot. slots: [Tq]; segment_tile: [B, Tq]; segment_ids: [B, T]."""
+    same = segment_ids[:, None, :] == segment_tile[:, :, None]
+    if not causal:
+        return same
+    return same & (jnp.arange(segment_ids.shape[1])[None, None, :] <= slots[None, :, None])
 
 
 def grouped_query_tiles(q: jax.Array, num_kv_heads: int, tile: int) -> jax.Array:

@@ -1,0 +1,128 @@
+"""Dense attention over packed segments: the query-tiled XLA path (causal, and bidirectional for the
+ViT) against the reference's masks, cuDNN's packed layout of a row's segments, and which
+implementation `attention_ops.dense` picks. cuDNN itself runs only on a GPU: benchmarks/
+bench_attention.py checks it against the XLA path there, in values and gradients."""
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax import attention_ops
+from pallas_kernels.attention import cudnn, xla
+from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
+
+
+def packed_segments(rng, batch: int, seq: int, max_documents: int) -> np.ndarray:
+    """Rows of contiguous documents of random lengths (ids 1, 2, ...) and trailing padding (0)."""
+    rows = []
+    for _ in range(batch):
+        count = rng.integers(1, max_documents + 1)
+        cuts = np.sort(rng.choice(np.arange(1, seq), count, replace=False))
+        ids = np.zeros(seq, np.int32)
+        for i, (start, stop) in enumerate(zip([0, *cuts[:-1]], cuts)):
+            ids[start:stop] = i + 1
+        rows.append(ids)  # the tokens from the last cut on are padding
+    return np.stack(rows)
+
+
+def operands(seq: int, heads=4, kv_heads=2, head_dim=16, batch=3, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), jnp.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq, tile", [(77, 16), (64, 64), (50, 64)])
+def test_xla_dense_attention_equals_the_reference_mask(causal, seq, tile):
+    q, k, v = operands(seq)
+    segments = jnp.asarray(packed_segments(np.random.default_rng(seq), 3, seq, 5))
+    mask = segments[:, :, None] == segments[:, None, :]
+    if causal:
+        mask = document_causal_mask(segments)
+
+    def reference(q, k, v):
+        return gqa_attention(q, k, v, mask[:, None, None])
+
+    def tiled(q, k, v):
+        return xla.dense_attention(q, k, v, segments, query_tile=tile, causal=causal)[0]
+
+    np.testing.assert_allclose(tiled(q, k, v), reference(q, k, v), rtol=2e-5, atol=2e-6)
+    cotangent = jax.random.normal(jax.random.key(9), q.shape)
+    grads = [jax.grad(lambda *a: (f(*a) * cotangent).sum(), (0, 1, 2))(q, k, v)
+             for f in (tiled, reference)]  # fmt: skip
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_bidirectional_attention_sees_later_keys_of_its_segment_only():
+    q, k, v = operands(8, batch=1)
+    segments = jnp.array([[1, 1, 1, 2, 2, 2, 0, 0]])
+    out = xla.dense_attention(q, k, v, segments, causal=False)[0]
+    later = v.at[:, 2].set(100.0)  # a later key of segment 1
+    changed = xla.dense_attention(q, k, later, segments, causal=False)[0]
+    differs = np.abs(np.asarray(changed - out)).max(axis=(2, 3))[0] > 1e-3
+    np.testing.assert_array_equal(differs, [True, True, True, False, False, False, False, False])
+
+
+def runs_by_numpy(ids: np.ndarray) -> list[tuple[int, int]]:
+    starts = [0, *np.flatnonzero(ids[1:] != ids[:-1]) + 1]
+    return [(start, stop - start) for start, stop in zip(starts, [*starts[1:], len(ids)])]
+
+
+@pytest.mark.parametrize("max_segments", [1, 3, 8, 40])
+def test_segment_runs_lay_out_each_rows_runs_as_cudnn_reads_them(max_segments):
+    rng = np.random.default_rng(max_segments)
+    segments = packed_segments(rng, 6, 40, 7)
+    segments[0] = 5  # one run: a whole row of one document
+    segments[1, ::2] = 0  # forty runs of alternating ids
+    offsets, lengths, runs = cudnn.segment_runs(jnp.asarray(segments), max_segments)
+    assert offsets.shape == (6, max_segments + 1) and lengths.shape == (6, max_segments)
+    assert offsets.dtype == lengths.dtype == jnp.int32
+    for row, ids in enumerate(segments):
+        expected = runs_by_numpy(ids)
+        assert runs[row] == len(expected)
+        kept = expected[:max_segments]
+        fill = [-1] * (max_segments - len(kept))
+        np.testing.assert_array_equal(offsets[row], [s for s, _ in kept] + fill + [-1])
+        np.testing.assert_array_equal(lengths[row], [n for _, n in kept] + fill)
+        if len(expected) <= max_segments:
+            assert sum(n for _, n in kept) == len(ids)  # every token is in a segment
+
+
+def test_default_segment_slots_follow_the_row_length_within_bounds():
+    assert [cudnn.default_segments(s) for s in (512, 4096, 16384, 32768, 1 << 20)] == [
+        16, 16, 16, 32, 32,
+    ]  # fmt: skip
+
+
+def test_dense_picks_cudnn_on_a_hopper_gpu_and_says_why_not_elsewhere():
+    q, k, _ = operands(32)
+    bf16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    assert "needs a GPU" in cudnn.unsupported_reason(*bf16)  # this CPU machine
+    hopper = mock.Mock(compute_capability="9.0")
+    with mock.patch.object(cudnn.jax, "default_backend", lambda: "gpu"), \
+            mock.patch.object(cudnn.jax, "devices", lambda: [hopper]):  # fmt: skip
+        assert cudnn.unsupported_reason(*bf16) is None
+        assert "bfloat16 or float16" in cudnn.unsupported_reason(q, k)
+        wide = jnp.zeros((1, 8, 2, 320), jnp.bfloat16)
+        assert "head_dim=320" in cudnn.unsupported_reason(wide, wide)
+        hopper.compute_capability = "8.0"
+        assert "compute capability >= 9.0" in cudnn.unsupported_reason(*bf16)
+    with pytest.raises(ValueError, match="attention_impl='pallas' cannot run.*needs a GPU"):
+        attention_ops.dense("pallas", *bf16, bf16[1], jnp.ones((3, 32), jnp.int32))
+
+
+def test_dense_runs_the_xla_path_on_cpu_and_the_reference_when_asked():
+    q, k, v = operands(24)
+    segments = jnp.asarray(packed_segments(np.random.default_rng(1), 3, 24, 4))
+    for causal in (True, False):
+        auto = attention_ops.dense("auto", q, k, v, segments, causal=causal)
+        reference = attention_ops.dense("reference", q, k, v, segments, causal=causal)
+        np.testing.assert_allclose(auto, reference, rtol=2e-5, atol=2e-6)
+    causal = attention_ops.dense("auto", q, k, v, segments)
+    assert np.abs(np.asarray(causal - auto)).max() > 1e-3  # the two masks differ
