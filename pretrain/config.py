@@ -105,8 +105,9 @@ class TrainConfig:
     # max_skipped_steps of them within skipped_steps_window steps stop the run.
     max_skipped_steps: int = 10
     skipped_steps_window: int = 100
-    # bf16 dense peak TFLOP/s of one device, the MFU denominator (pretrain/mfu.py); None: by the
-    # device kind (H100/H200 989, A100 312, B200 2250, TPU v5e 197, v5p 459, v6e 918), else no MFU
+    # Peak TFLOP/s of one device, the MFU denominator; None: the device kind's bf16 dense figure
+    # (pretrain/mfu.py PEAKS: H100 SXM/H200 989, A100 312, B200 2250, TPU v5e 197, v5p 459, v6e
+    # 918), no MFU on CPU or an unknown kind
     peak_tflops: float | None = None
 
     def __post_init__(self):
