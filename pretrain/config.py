@@ -105,8 +105,14 @@ class TrainConfig:
     # max_skipped_steps of them within skipped_steps_window steps stop the run.
     max_skipped_steps: int = 10
     skipped_steps_window: int = 100
+    # Peak TFLOP/s of one device, the MFU denominator; None: the device kind's bf16 dense figure
+    # (pretrain/mfu.py PEAKS: H100 SXM/H200 989, A100 312, B200 2250, TPU v5e 197, v5p 459, v6e
+    # 918), no MFU on CPU or an unknown kind
+    peak_tflops: float | None = None
 
     def __post_init__(self):
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops={self.peak_tflops} must be > 0 (or null)")
         if self.steps < 1 or self.grad_accum_steps < 1:
             raise ValueError(
                 f"steps={self.steps} and grad_accum_steps={self.grad_accum_steps} must be >= 1"

@@ -25,6 +25,7 @@ from pretrain.checkpoint_recovery import restore_newest_intact
 from pretrain.checkpointing import Checkpoints, abstract_with_shardings
 from pretrain.config import RunConfig
 from pretrain.faults import FaultMonitor, check_finite
+from pretrain.mfu import ModelFlops
 from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.resume_checks import schedule_steps
 from pretrain.train_step import init_state, make_train_step
@@ -79,6 +80,7 @@ class TrainingSession:
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
         self.faults = FaultMonitor(run, report)  # skipped steps (all sessions), loss spikes
         self.modality_tokens = collections.Counter()  # this session's tokens by modality
+        self.model_flops = ModelFlops(model)  # training FLOPs per token of a batch (for MFU)
 
     @property
     def num_params(self) -> int:
@@ -129,10 +131,13 @@ class TrainingSession:
         return msa_phase(self.run, self.tokens_seen)
 
     def step(self, batch: dict[str, np.ndarray], mode: ForwardMode) -> dict:
-        """One optimizer step on a host batch; returns its metrics as (unfetched) device arrays."""
+        """One optimizer step on a host batch; returns its metrics as (unfetched) device arrays,
+        plus the batch's training FLOPs per token (`model_flops_per_token`, a host float)."""
         if "modality" in batch:
             self.modality_tokens.update(modality_counts(batch))
-        return self.step_on_devices(self.put_batch(batch), mode)
+        metrics = self.step_on_devices(self.put_batch(batch), mode)
+        # counted while the (asynchronously dispatched) step runs
+        return {**metrics, "model_flops_per_token": self.model_flops.per_token(batch, mode)}
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows as global arrays, sharded over the batch axes (host -> device)."""

@@ -33,12 +33,14 @@ from pretrain.config import RunConfig, RunError, load_run_config
 from pretrain.data_loading import make_loader
 from pretrain.evaluation import Evaluator
 from pretrain.metrics import MetricsWriter, read_metrics
+from pretrain.mfu import Peak, device_peak, window_throughput
 from pretrain.resume_checks import check_model, data_position_error, saved_run
 from pretrain.session import DataPositionError, TrainingSession
 
 LOG_KEYS = (
     "loss", "nll", "mtp_nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance",
-    "moe_dropped_fraction", "tokens_per_s", "skipped_steps", "skipped_documents"
+    "moe_dropped_fraction", "tokens_per_s", "model_flops_per_token", "mfu", "skipped_steps",
+    "skipped_documents"
 )  # fmt: skip
 COUNT_KEYS = ("skipped_steps", "skipped_documents")  # shown once they are not 0
 EVAL_LOG_KEYS = ("eval_nll", "eval_mtp_nll", "eval_msa_recall")
@@ -92,16 +94,19 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
         f"device(s), mesh {dict(session.mesh.shape)})",
         flush=True,
     )
+    peak = device_peak(run.train.peak_tflops, jax.devices())
+    print(f"m3-train: {peak.describe()}", flush=True)
     if start >= run.train.steps:
         print(f"m3-train: the run is complete ({start} of train.steps={run.train.steps}); "
               "raise train.steps to continue it")  # fmt: skip
     try:
         with _StopOnSignal() as stop:
-            stopped_at = _loop(session, loader, writer, start, stop, run, evaluator)
+            stopped_at = _loop(session, loader, writer, start, stop, run, evaluator, peak)
     finally:
         writer.close()
         session.checkpoints.close()
     summary = _summary(run_dir, start, stopped_at, stop.signum)
+    summary["peak"] = peak
     summary["modality_tokens"] = dict(session.modality_tokens)
     summary["skipped_steps"] = session.faults.skipped_steps
     summary["skipped_documents"] = loader.skip_counts()
@@ -109,7 +114,7 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
     return summary
 
 
-def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator) -> int:
+def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, peak: Peak) -> int:
     """Runs steps start..total; returns the step reached. Checkpoints at intervals and on a stop:
     a signal, too many non-finite steps (then raises RunError) or no usable data left (DataError)."""
     total, log_every = run.train.steps, run.logging.every_steps
@@ -147,7 +152,7 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator) 
             if step % log_every == 0 or step == total or step == start + 1:
                 faults.flush()
                 logged = _reduce(
-                    jax.device_get(pending), untimed, time.perf_counter() - window_start
+                    jax.device_get(pending), untimed, time.perf_counter() - window_start, peak
                 )
                 logged.update(skipped_steps=faults.skipped_steps, **loader.skip_counts())
                 writer.write(step, logged)
@@ -188,17 +193,19 @@ def _evaluate(evaluator: Evaluator, writer: MetricsWriter, bar, step: int) -> fl
 
 def _console_line(step: int, total: int, logged: dict) -> str:
     shown = [k for k in LOG_KEYS if k in logged and (logged[k] or k not in COUNT_KEYS)]
-    return f"step {step:>6}/{total} | " + " | ".join(f"{k} {logged[k]:.4g}" for k in shown)
+    parts = [f"{k} {logged[k]:.4g}" for k in shown]
+    if "tokens_per_s" in logged and "mfu" not in logged:  # no peak FLOP/s for these devices
+        parts.insert(shown.index("tokens_per_s") + 2, "mfu n/a")
+    return f"step {step:>6}/{total} | " + " | ".join(parts)
 
 
-def _reduce(window: list[dict], untimed: int, seconds: float) -> dict:
-    """Means of a logging window's per-step metrics; throughput over its steps after `untimed`.
-    Skipped steps are counted by the FaultMonitor instead (`skipped_steps`)."""
-    keys = dict.fromkeys(k for m in window for k in m if k not in ("tokens", "skipped"))
+def _reduce(window: list[dict], untimed: int, seconds: float, peak: Peak) -> dict:
+    """Means of a logging window's per-step metrics; throughput and MFU over its steps after
+    `untimed` (pretrain/mfu.py). Skipped steps are counted by the FaultMonitor instead."""
+    per_window = ("tokens", "skipped", "model_flops_per_token")  # not means of steps
+    keys = dict.fromkeys(k for m in window for k in m if k not in per_window)
     logged = {k: _nan_mean([float(m[k]) for m in window if k in m]) for k in keys}
-    if len(window) > untimed:
-        tokens = sum(int(m["tokens"]) for m in window[untimed:])
-        logged["tokens_per_s"] = tokens / max(seconds, 1e-9)
+    logged.update(window_throughput(window[untimed:], seconds, peak))
     return logged
 
 
@@ -215,7 +222,10 @@ def _summary(run_dir: pathlib.Path, start: int, end: int, signum: int) -> dict:
         "last_nll": history[-1]["nll"] if history else None,
         "last_nll_by_document": _last_by_document(history),
         "last_eval_nll": evaluations[-1] if evaluations else None,
-        "tokens_per_s": _mean([r["tokens_per_s"] for r in session_history if "tokens_per_s" in r]),
+        **{
+            key: _mean([r[key] for r in session_history if key in r])
+            for key in ("tokens_per_s", "model_flops_per_token", "model_tflops_per_s", "mfu")
+        },
         "stopped_by_signal": signum,
     }
 
@@ -278,6 +288,14 @@ def _print_summary(summary: dict) -> None:
         print(
             f"  throughput   {summary['tokens_per_s']:,.0f} tokens/s (this session, after compilation)"
         )
+        print(f"  model FLOPs  {summary['model_flops_per_token']:.4g} per token (training), "
+              f"{summary['model_tflops_per_s']:.4g} TFLOP/s (all devices)")  # fmt: skip
+        peak, mfu = summary["peak"], summary["mfu"]
+        if mfu is None:
+            print(f"  MFU          {peak.note}")
+        else:
+            print(f"  MFU          {mfu:.2%} (mean over this session's timed windows; "
+                  f"{peak.tflops:g} TFLOP/s per device × {peak.devices}: {peak.note})")  # fmt: skip
     print(f"  run dir      {summary['run_dir']} (checkpoints/, metrics.jsonl, tensorboard/)")
 
 
