@@ -10,10 +10,20 @@ turns them into d(logits) = (g_nll + g_lse) · softmax - g_nll · onehot(target)
 d(hidden) per chunk, d(lm_head) accumulated over chunks in fp32. The gradients of both outputs are
 exact (the z-loss differentiates the logsumexp).
 
-Memory: the temporaries are a few [chunk_tokens, V] fp32 arrays (the logits of one chunk and
-their softmax) plus the [D, V] fp32 gradient of the lm_head, whatever the number of tokens. At
-M3's V = 200,064 one 4096-token row of plain logits is 3.3 GB fp32, and autodiff keeps it for
-the backward pass next to its gradient; a 2048-token chunk is 1.6 GB.
+Memory: the temporaries are two [chunk_tokens, V] fp32 arrays (a chunk's logits and their
+softmax / gradient), whatever the number of tokens; the lm_head's fp32 gradient accumulates in the
+output's buffer. XLA's CPU buffer assignment at V = 200,064, D = 256 (tests/pretrain/
+test_chunked_loss.py): 0.42 GB with 256-token chunks for 4096 or 8192 tokens, 3.3 GB with 2048;
+the plain path holds two [T, V] fp32 arrays, 6.6 GB for 4096 tokens.
+
+The bf16 numerics are the plain path's: bf16 products with fp32 accumulation forward, fp32
+d(logits) times the bf16 operands backward (what jax's dot_general transpose does), except that
+d(lm_head) stays fp32 where the plain path rounds it to bf16 (the transpose of the weight's cast).
+
+Data parallelism: each chunk's d(lm_head) is a partial sum over a device's tokens. On CPU (4 fake
+devices) XLA keeps its all-reduce inside the backward loop, one [D, V] reduction per chunk instead
+of one (`benchmarks/bench_chunked_loss.py --collectives` counts them); XLA's GPU pipeline runs
+WhileLoopAllReduceCodeMotion, which exists to hoist such reductions (not yet measured on GPUs).
 
 Chunk j holds positions j, j + n, j + 2n, ... of every row (n chunks): each chunk keeps the batch
 and sequence axes, so their sharding over the data-parallel and seq mesh axes carries over to every
