@@ -4,7 +4,9 @@ M3Model: embeddings (no √d scaling) -> layer stacks -> final Gemma norm -> unt
 (spec/m3_architecture.md §3). With `config.vision`, it also owns the vision tower and projector:
 their merged features replace the embeddings of image/video placeholder tokens (§5.3) before the
 first layer. With `config.mtp.num_modules`, multi-token-prediction modules (m3jax/mtp.py) follow
-the trunk; only `with_mtp` runs them, so inference and export parity see the plain model.
+the trunk; only `normed_with_mtp` (training) runs them, so inference and export parity see the
+plain model. It stops at the final norms, before the lm_head, whose product the training loss
+computes in token chunks (pretrain/chunked_loss.py).
 `decode` appends one token per row to a KV cache (generation, m3jax/generation.py).
 `Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested dicts of
 arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph inside
@@ -85,7 +87,7 @@ class M3Model(nnx.Module):
         )
         return self.head(self.final_norm(hidden)), stats
 
-    def with_mtp(
+    def normed_with_mtp(
         self,
         tokens: jax.Array,
         positions: jax.Array,
@@ -93,15 +95,16 @@ class M3Model(nnx.Module):
         vision: VisionInputs | None = None,
         mode: ForwardMode = ForwardMode(),
     ) -> tuple[jax.Array, list[dict], list[dict]]:
-        """`__call__` plus the MTP modules: (logits, stats, per module {"logits", "segment_ids",
-        "moe"/"msa" stats}; see MultiTokenPrediction). The list is empty without MTP modules."""
+        """`__call__` plus the MTP modules, both up to the lm_head: (the final-normed hidden
+        states [B, S, D] in config.dtype, stats, per module {"normed" [B, S, D], "segment_ids",
+        "moe"/"msa" stats}; see MultiTokenPrediction; empty without MTP modules). `head` gives
+        their logits; the training loss applies the lm_head itself in token chunks
+        (pretrain/chunked_loss.py), so no [B, S, V] logits exist."""
         embeddings, hidden, inputs, stats = self._trunk(
             tokens, positions, segment_ids, vision, mode, False
         )
-        logits = self.head(self.final_norm(hidden))
-        if self.mtp is None:
-            return logits, stats, []
-        return logits, stats, self.mtp(embeddings, hidden, inputs, mode, self.head)
+        mtp = [] if self.mtp is None else self.mtp(embeddings, hidden, inputs, mode)
+        return self.final_norm(hidden), stats, mtp
 
     def head(self, x: jax.Array) -> jax.Array:
         """Normed hidden states [B, S, D] -> logits [B, S, V] fp32 (the lm_head, shared by MTP)."""
@@ -185,7 +188,7 @@ class Functional:
             tokens, positions, segment_ids, vision, mode, output_hidden_states=output_hidden_states
         )
 
-    def apply_with_mtp(
+    def apply_normed_with_mtp(
         self,
         params: dict,
         buffers: dict,
@@ -195,9 +198,14 @@ class Functional:
         vision: VisionInputs | None = None,
         mode: ForwardMode = ForwardMode(),
     ) -> tuple[jax.Array, list[dict], list[dict]]:
-        """Forward pass with the MTP modules (training): see M3Model.with_mtp."""
+        """Forward pass with the MTP modules (training), up to the lm_head (`params["lm_head"]`,
+        [D, V]): see M3Model.normed_with_mtp."""
         model = nnx.merge(self.graphdef, params, buffers)
-        return model.with_mtp(tokens, positions, segment_ids, vision, mode)
+        return model.normed_with_mtp(tokens, positions, segment_ids, vision, mode)
+
+    def head(self, params: dict, buffers: dict, hidden: jax.Array) -> jax.Array:
+        """Logits [B, S, V] fp32 of final-normed hidden states [B, S, D]: see M3Model.head."""
+        return nnx.merge(self.graphdef, params, buffers).head(hidden)
 
     def embeddings(
         self, params: dict, buffers: dict, tokens: jax.Array, vision: VisionInputs | None = None

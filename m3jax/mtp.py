@@ -23,8 +23,6 @@ no MTP (spec §3.8); m3jax/convert/layout.py names these weights `mtp.*` for exp
 Shapes: B batch, S sequence, D model width, V vocab.
 """
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -83,14 +81,13 @@ class MultiTokenPrediction(nnx.Module):
         hidden: jax.Array,
         inputs: AttentionInputs,
         mode: ForwardMode,
-        head: Callable[[jax.Array], jax.Array],
     ) -> list[dict]:
         """embeddings: the trunk's input embeddings [B, S, D]; hidden: its last layer's output
-        [B, S, D] (before the final norm); head: [B, S, D] -> logits [B, S, V] (the lm_head).
+        [B, S, D] (before the final norm).
 
-        Returns per module {"logits" [B, S, V] fp32 (predicting token s + i + 2), "segment_ids"
-        [B, S] (0 where position s has no such target in its piece), and the decoder layer's stats
-        ("moe", "msa") without a layer axis}.
+        Returns per module {"normed" [B, S, D]: its output after its final norm, the lm_head's
+        input (predicting token s + i + 2), "segment_ids" [B, S] (0 where position s has no such
+        target in its piece), and the decoder layer's stats ("moe", "msa") without a layer axis}.
         """
         outputs = []
         for depth, module in enumerate(self.depths):
@@ -98,6 +95,6 @@ class MultiTokenPrediction(nnx.Module):
             depth_inputs = inputs._replace(segment_ids=segment_ids)
             ahead = shifted(embeddings, depth + 1)
             hidden, stats = module(ahead, hidden, depth_inputs, mode)
-            logits = head(module.final_norm(hidden))
-            outputs.append({"logits": logits, "segment_ids": segment_ids, **stats})
+            normed = module.final_norm(hidden)
+            outputs.append({"normed": normed, "segment_ids": segment_ids, **stats})
         return outputs

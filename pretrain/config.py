@@ -101,6 +101,10 @@ class TrainConfig:
     # Each step's batch (data.batch_size rows) runs as this many micro-batches whose gradients add
     # up to the whole batch's (pretrain/accumulation.py): activation memory / k, same update.
     grad_accum_steps: int = 1
+    # The LM losses compute the logits this many tokens at a time (pretrain/chunked_loss.py): a
+    # micro-batch's loss temporaries are ≈ 2 · loss_chunk_tokens · vocab_size fp32 (a device holds
+    # its data-parallel share), not its tokens · vocab. Same loss and gradients at any value.
+    loss_chunk_tokens: int = 2048
     # Steps with a non-finite loss or gradient are skipped (nothing changes); more than
     # max_skipped_steps of them within skipped_steps_window steps stop the run.
     max_skipped_steps: int = 10
@@ -113,9 +117,10 @@ class TrainConfig:
     def __post_init__(self):
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops={self.peak_tflops} must be > 0 (or null)")
-        if self.steps < 1 or self.grad_accum_steps < 1:
+        if self.steps < 1 or self.grad_accum_steps < 1 or self.loss_chunk_tokens < 1:
             raise ValueError(
-                f"steps={self.steps} and grad_accum_steps={self.grad_accum_steps} must be >= 1"
+                f"steps={self.steps}, grad_accum_steps={self.grad_accum_steps} and "
+                f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 1"
             )
         if self.max_skipped_steps < 0 or self.skipped_steps_window < 1:
             raise ValueError(

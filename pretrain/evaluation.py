@@ -5,7 +5,8 @@ The set is the first `eval.batches` batches of `eval.shards` through the trainin
 the host, so every evaluation sees exactly the same tokens and nothing is updated. Each batch runs
 the training loss (pretrain/train_step.py: make_loss_fn) with the whole set's totals, so the
 batches' metrics add up to the set's: `eval_nll` is the mean over every held-out text target,
-however unevenly the batches hold them.
+however unevenly the batches hold them. Its LM losses are training's chunked cross-entropy
+(pretrain/chunked_loss.py, `train.loss_chunk_tokens`): no [B, S, V] logits here either.
 
 Metrics (the training names, prefixed `eval_`): loss, nll, by document kind
 (`eval_nll_<text|image|video>_docs`) and input modality (`eval_nll_after_<modality>`), MTP losses,

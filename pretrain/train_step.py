@@ -7,7 +7,9 @@ loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE b
 After the update, each router's correction bias moves toward balanced load (outside the optimizer).
 A step whose loss or gradient norm is not finite changes nothing but `step` (pretrain/faults.py).
 The loads are global, all tokens of the step on any mesh: routing statistics are computed outside
-the expert-parallel shard_map (m3jax/moe.py).
+the expert-parallel shard_map (m3jax/moe.py). The LM losses (trunk and MTP modules) are computed
+from the final-normed hidden states and the lm_head in chunks of `train.loss_chunk_tokens`
+tokens (pretrain/chunked_loss.py): no [B, S, V] logits exist, forward or backward.
 
 `make_loss_fn` is also the evaluation's forward (pretrain/evaluation.py). Its means are taken over
 `totals`, the whole batch's denominators (pretrain/loss.py: loss_totals), so the loss of a batch
@@ -25,6 +27,7 @@ from m3jax.attention import ForwardMode
 from m3jax.model import Functional
 from m3jax.vision_inputs import from_packed_rows
 from pretrain.accumulation import accumulated
+from pretrain.chunked_loss import chunked_token_losses
 from pretrain.config import RunConfig
 from pretrain.faults import keep_finite
 from pretrain.loss import (
@@ -34,7 +37,6 @@ from pretrain.loss import (
     masked_mean,
     modality_weights,
     mtp_targets,
-    token_losses,
 )
 from pretrain.optimizer import applied_updates
 
@@ -68,11 +70,17 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
                 batch["patches"], batch["patch_positions"], batch["patch_segment_ids"],
                 batch["feature_index"], config.vision.spatial_merge_size,
             )  # fmt: skip
-        logits, stats, mtp = model.apply_with_mtp(
+        normed, stats, mtp = model.apply_normed_with_mtp(
             params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], vision,
             mode=mode,
         )  # fmt: skip
-        token_nll, log_normalizer = token_losses(logits, batch["targets"])
+
+        def lm_losses(hidden, targets):  # per position (nll, logsumexp) [B, S] of the lm_head
+            return chunked_token_losses(
+                hidden, params["lm_head"], targets, chunk_tokens=run.train.loss_chunk_tokens
+            )
+
+        token_nll, log_normalizer = lm_losses(normed, batch["targets"])
         nll = masked_mean(token_nll, batch["loss_mask"], total=totals["loss_mask"])
         z_loss = masked_mean(
             jnp.square(log_normalizer), batch["loss_mask"], total=totals["loss_mask"]
@@ -82,7 +90,7 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
             metrics.update(_modality_metrics(token_nll, batch, totals))
         loss = nll + run.optimizer.z_loss_weight * z_loss
         if mtp:
-            mtp_loss, mtp_metrics = _mtp_loss(mtp, batch, totals)
+            mtp_loss, mtp_metrics = _mtp_loss(mtp, batch, totals, lm_losses)
             loss += config.mtp.loss_weight * mtp_loss
             metrics.update(mtp_metrics)
         # MTP layers as one-layer stacks, after the trunk's (their tokens: the module's pieces)
@@ -154,12 +162,12 @@ def _share(segment_ids: jax.Array, total: jax.Array) -> jax.Array:
     return (segment_ids > 0).sum() / jnp.maximum(total, 1)
 
 
-def _mtp_loss(outputs: list[dict], batch: Batch, totals: dict) -> tuple[jax.Array, dict]:
+def _mtp_loss(outputs: list[dict], batch: Batch, totals: dict, lm_losses) -> tuple[jax.Array, dict]:
     """Mean over MTP modules of their LM loss on targets depth + 2 ahead; per module too."""
     losses = []
     for depth, output in enumerate(outputs):
         targets, weight = mtp_targets(batch, depth)
-        token_nll, _ = token_losses(output["logits"], targets)
+        token_nll, _ = lm_losses(output["normed"], targets)
         losses.append(masked_mean(token_nll, weight, total=totals[f"mtp{depth}"]))
     mean = sum(losses) / len(losses)
     return mean, {"mtp_nll": mean, **{f"mtp_nll{d}": x for d, x in enumerate(losses)}}

@@ -15,10 +15,9 @@ RUN = tiny_run(model={"mtp": {"num_modules": 2}})
 
 def mtp_logits(params, buffers, tokens, segment_ids):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    _, _, outputs = functional(RUN.model).apply_with_mtp(
-        params, buffers, tokens, positions, segment_ids
-    )
-    return [np.asarray(out["logits"]) for out in outputs]
+    model = functional(RUN.model)
+    _, _, outputs = model.apply_normed_with_mtp(params, buffers, tokens, positions, segment_ids)
+    return [np.asarray(model.head(params, buffers, out["normed"])) for out in outputs]
 
 
 def test_mtp_module_i_at_position_s_sees_tokens_up_to_s_plus_i_plus_1():
@@ -51,9 +50,11 @@ def test_mtp_modules_leave_the_trunk_unchanged():
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 263)
     segment_ids = jnp.ones_like(tokens).at[:, 20:].set(2)
     inputs = (tokens, jnp.broadcast_to(jnp.arange(32), tokens.shape), segment_ids)
-    with_mtp, _, outputs = functional(RUN.model).apply_with_mtp(params, buffers, *inputs)
+    model = functional(RUN.model)
+    normed, _, outputs = model.apply_normed_with_mtp(params, buffers, *inputs)
+    with_mtp = model.head(params, buffers, normed)
     trunk_params = {k: v for k, v in params.items() if k != "mtp"}
     trunk_buffers = {k: v for k, v in buffers.items() if k != "mtp"}
     without, _ = plain.apply(trunk_params, trunk_buffers, *inputs)
     np.testing.assert_allclose(with_mtp, without, rtol=0, atol=1e-6)
-    assert len(outputs) == 2 and outputs[1]["logits"].shape == with_mtp.shape
+    assert len(outputs) == 2 and outputs[1]["normed"].shape == normed.shape

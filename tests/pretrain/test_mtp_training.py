@@ -29,12 +29,14 @@ def test_mtp_loss_and_router_biases_train_the_modules():
                    static_argnums=2)  # fmt: skip
     state, batch = init_state(model, optimizer, seed=0), make_batch()
     new_state, metrics = step(state, batch, ForwardMode(indexer_loss=True))
-    _, _, outputs = model.apply_with_mtp(
-        state["params"], state["buffers"], batch["tokens"], batch["positions"], batch["segment_ids"]
+    params, buffers = state["params"], state["buffers"]
+    _, _, outputs = model.apply_normed_with_mtp(
+        params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"]
     )
     for depth in (0, 1):
         targets, weight = mtp_targets(batch, depth)
-        nll = np.asarray(token_losses(outputs[depth]["logits"], targets)[0])
+        logits = model.head(params, buffers, outputs[depth]["normed"])
+        nll = np.asarray(token_losses(logits, targets)[0])
         expected = (nll * weight).sum() / weight.sum()
         np.testing.assert_allclose(metrics[f"mtp_nll{depth}"], expected, rtol=1e-5)
     np.testing.assert_allclose(metrics["mtp_nll"], (metrics["mtp_nll0"] + metrics["mtp_nll1"]) / 2)

@@ -1,14 +1,19 @@
 """The train step: router-bias balancing, the indexer's isolation from the LM loss, masking."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from test_chunked_loss import plain_token_losses as plain_losses
+from tiny import tiny_run
 
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
+from pretrain import train_step
+from pretrain.loss import loss_totals
 from pretrain.optimizer import learning_rate, make_optimizer
-from pretrain.train_step import init_state, make_train_step
-from tiny import tiny_run
+from pretrain.train_step import init_state, make_loss_fn, make_train_step
 
 
 def make_batch(seed=0, batch=2, seq=32, vocab=263):
@@ -101,3 +106,40 @@ def test_capacity_dispatch_reports_the_dropped_fraction():
     _, metrics = step(state, make_batch())
     assert expected >= 0.5
     np.testing.assert_allclose(float(metrics["moe_dropped_fraction"]), expected, rtol=1e-6)
+
+
+def test_chunked_lm_loss_gives_the_plain_logits_loss_and_gradients(monkeypatch):
+    """The train loss (LM + z-loss + an MTP module + MoE) and every parameter's gradient with
+    10-token chunks (3 rows of 32: 3 positions a row, 11 chunks, padding) equal the same loss
+    computed from plain [B, S, V] logits (the indexer KL, which never sees them, is left off:
+    it only adds compile time)."""
+    run = tiny_run(
+        model={"mtp": {"num_modules": 1}},
+        optimizer={"z_loss_weight": 0.1},
+        train={"loss_chunk_tokens": 10},
+    )
+    model = functional(run.model)
+    params, buffers = model.init(0)
+    batch, mode = make_batch(batch=3), ForwardMode()
+    totals = loss_totals(batch, run.model.mtp.num_modules, parts=1)
+
+    def loss_and_grad():
+        loss_fn = jax.value_and_grad(make_loss_fn(model, run), has_aux=True)
+        (loss, (metrics, _)), grads = jax.jit(loss_fn, static_argnums=3)(
+            params, buffers, batch, mode, totals
+        )
+        return loss, metrics, grads
+
+    chunked = loss_and_grad()
+    monkeypatch.setattr(
+        train_step, "chunked_token_losses", lambda h, w, t, chunk_tokens: plain_losses(h, w, t)
+    )
+    plain = loss_and_grad()
+    np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-6)
+    for name in ("nll", "z_loss", "mtp_nll"):
+        np.testing.assert_allclose(chunked[1][name], plain[1][name], rtol=1e-6)
+    for path, grad in jax.tree_util.tree_leaves_with_path(plain[2]):
+        actual = functools.reduce(lambda tree, key: tree[key.key], path, chunked[2])
+        scale = np.abs(grad).max()
+        np.testing.assert_allclose(actual, grad, rtol=1e-5, atol=1e-5 * scale, err_msg=str(path))
+    assert np.abs(chunked[2]["lm_head"]).max() > 0
