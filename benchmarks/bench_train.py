@@ -7,8 +7,9 @@ Each variant is the config with `section.key=value` overrides (space-separated i
 argument). A variant's step is `pretrain.train_step.make_train_step` jitted, on synthetic packed
 rows (random tokens; documents of random lengths, so rows hold several), in the MSA sparse phase
 with the indexer loss, as `m3-train` runs after the warm-up. Reports the median step time over
-`--steps` steps after two warm-up steps, tokens/s, the device's peak memory and the ratio to the
-first variant measured in the same run; `--profile DIR` adds the first variant's device time by
+`--steps` steps after two warm-up steps, tokens/s, MFU (model FLOPs as m3-train counts them,
+pretrain/mfu.py, against 989 TFLOP/s and against the bf16 matmul rate measured in the same run),
+the device's peak memory and the ratio to the first variant measured in the same run; `--profile DIR` adds the first variant's device time by
 kernel (benchmarks/trace_summary.py). The last stdout line is JSON.
 """
 
@@ -24,6 +25,7 @@ from benchmarks import trace_summary
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain.config import load_run_config
+from pretrain.mfu import ModelFlops
 from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.train_step import init_state, make_train_step
 
@@ -81,10 +83,27 @@ def time_variant(
     memory = jax.devices()[0].memory_stats() or {}
     seconds = float(np.median(times))
     tokens = run.data.batch_size * run.data.seq_len
+    flops = ModelFlops(model).per_token(jax.tree.map(np.asarray, batch), TRAIN) * tokens / seconds
     return {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tokens": tokens,
+            "model_tflops_per_s": flops / 1e12,
             "first_loss": losses[0], "last_loss": losses[-1],
             "finite": bool(np.isfinite(losses).all()),
             "peak_gb": memory.get("peak_bytes_in_use", 0) / 1e9}  # fmt: skip
+
+
+PEAK_TFLOPS = 989.0  # H100 SXM / H200 bf16 dense (pretrain/mfu.py PEAKS)
+
+
+def matmul_tflops(size: int, repeats: int = 20) -> float:
+    """The device's bf16 matmul rate measured here: the MFU denominator the hardware reaches."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+    matmul = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(matmul(a))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = matmul(a)
+    jax.block_until_ready(out)
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 def main() -> None:
@@ -95,6 +114,8 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR",
                         help="also trace two steps of the first variant and print its kernels")  # fmt: skip
     args = parser.parse_args()
+    matmul = matmul_tflops(8192 if jax.default_backend() == "gpu" else 512)
+    print(json.dumps({"bf16 matmul TFLOP/s (measured)": matmul}), flush=True)
     rows = []
     for variant in args.variants:
         try:
@@ -103,18 +124,25 @@ def main() -> None:
                                   args.profile if not rows else None)}  # fmt: skip
         except Exception as e:  # e.g. out of memory: record it, keep going
             row = {"variant": variant or "as configured", "error": str(e).splitlines()[0][:300]}
+        if "model_tflops_per_s" in row:
+            row["mfu_989"] = row["model_tflops_per_s"] / PEAK_TFLOPS
+            row["of_matmul_rate"] = row["model_tflops_per_s"] / matmul
         if rows and "tokens_per_s" in row and "tokens_per_s" in rows[0]:
             row["vs_first"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.config}")
-    print("| variant | step ms | tokens/s | vs first | loss first → last |\n|---|---|---|---|---|")
+    print(
+        "| variant | step ms | tokens/s | MFU (989) | of matmul rate | peak GB | vs first | loss |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['variant']} | failed: {row['error'][:80]} | | | |")
+            print(f"| {row['variant']} | failed: {row['error'][:80]} | | | | | | |")
             continue
         print(
             f"| {row['variant']} | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | "
+            f"{row['mfu_989']:.1%} | {row['of_matmul_rate']:.1%} | {row['peak_gb']:.1f} | "
             f"{row.get('vs_first', 1.0):.2f}× | {row['first_loss']:.3f} → {row['last_loss']:.3f} |"
         )
     print(json.dumps(rows))
