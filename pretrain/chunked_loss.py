@@ -16,9 +16,10 @@ output's buffer. XLA's CPU buffer assignment at V = 200,064, D = 256 (tests/pret
 test_chunked_loss.py): 0.42 GB with 256-token chunks for 4096 or 8192 tokens, 3.3 GB with 2048;
 the plain path holds two [T, V] fp32 arrays, 6.6 GB for 4096 tokens.
 
-The bf16 numerics are the plain path's: bf16 products with fp32 accumulation forward, fp32
-d(logits) times the bf16 operands backward (what jax's dot_general transpose does), except that
-d(lm_head) stays fp32 where the plain path rounds it to bf16 (the transpose of the weight's cast).
+bf16 numerics: bf16 products with fp32 accumulation forward and backward, d(logits) rounded to
+bf16 before its two products (jax's transpose of the plain path multiplies fp32 d(logits) by the
+bf16 operands: fp32 GEMMs, 192 of 1,177 ms of a bench-h200 step on an H200, benchmarks/
+RESULTS.md); d(lm_head) accumulates in fp32. In float32 the gradients are the plain path's.
 
 Data parallelism: each chunk's d(lm_head) is a partial sum over a device's tokens. On CPU (4 fake
 devices) XLA keeps its all-reduce inside the backward loop, one [D, V] reduction per chunk instead
@@ -111,8 +112,9 @@ def _chunk_losses_backward(residuals, cotangents):
         is_target = t[..., None] == jnp.arange(vocab)
         # nll = lse - logit[t]: d/dlogits = softmax - onehot; lse: softmax
         d_logits = (g_nll + g_lse)[..., None] * softmax - jnp.where(is_target, g_nll[..., None], 0)
-        # fp32 d_logits times the cast weight / hidden states, fp32 accumulation: the plain
-        # path's transposed products (jax's dot_general transpose rule)
+        # d_logits in the operands' dtype: bf16 products with fp32 accumulation on tensor cores
+        # (fp32 d_logits made both products fp32 GEMMs: 16 % of a bench-h200 step on an H200)
+        d_logits = d_logits.astype(h.dtype)
         d_h = _dot(d_logits, weight, ((2,), (1,))).astype(h.dtype)  # [B, C, D]
         d_weight = d_weight + _dot(h, d_logits, ((0, 1), (0, 1)))  # [D, V]
         return d_weight, d_h
