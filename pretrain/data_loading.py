@@ -57,7 +57,8 @@ def process_share(run: RunConfig) -> tuple[int, int]:
     if jax.process_count() == 1:
         return 0, 1
     try:
-        return batch_share(sharding.batch_sharding(run_mesh(run)), run.data.batch_size)
+        batch_sharding = sharding.batch_sharding(run_mesh(run))
+        return batch_share(batch_sharding, run.data.batch_size, run.data.seq_len)
     except ValueError as e:
         raise RunError(f"data.batch_size={run.data.batch_size}: {e}") from None
 

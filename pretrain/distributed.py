@@ -13,10 +13,10 @@ every device (`jax.devices()`) but feeds and reads only its own (`jax.local_devi
   each process's data position is gathered (`gather`) into the data item and each takes its own
   back on restore (`own_data_state`);
 - one voice: only process 0 (`is_primary`) prints, logs metrics and writes config.yaml;
-- one stop: a signal reaches one process (a preempted host), yet all must save the same step
-  and stop, or the others wait forever in the next collective: the loop asks `any_process` every
-  step (a 4-byte all-gather; it makes the host wait for the step on the devices, which a single
-  process never does).
+- one stop: a signal reaches one process (a preempted host), and one process's data may run out,
+  yet all must save the same step and stop, or the others wait forever in the next collective:
+  after loading each batch the loop asks `any_process` (an 8-byte all-gather; it makes the host
+  wait for the step before on the devices, which costs the overlap of one batch's loading).
 """
 
 import argparse
@@ -79,13 +79,14 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def batch_share(batch_sharding: NamedSharding, rows: int) -> tuple[int, int]:
-    """(index, count): this process feeds block `index` of `count` equal blocks of a global batch
-    of `rows` rows (processes whose devices hold the same rows share a block); (0, 1) alone.
-    ValueError if its devices hold rows that are not one such block."""
+def batch_share(batch_sharding: NamedSharding, rows: int, seq_len: int) -> tuple[int, int]:
+    """(index, count): this process feeds block `index` of `count` equal blocks of a global
+    [rows, seq_len] batch (processes whose devices hold the same rows share a block, whatever
+    columns they hold); (0, 1) alone. ValueError if its devices hold rows that are not one such
+    block."""
     if jax.process_count() == 1:
         return 0, 1
-    indices = batch_sharding.addressable_devices_indices_map((rows, 1)).values()
+    indices = batch_sharding.addressable_devices_indices_map((rows, seq_len)).values()
     starts = sorted({index[0].indices(rows)[0] for index in indices})
     stops = sorted({index[0].indices(rows)[1] for index in indices})
     start, stop = starts[0], stops[-1]
@@ -100,11 +101,12 @@ def batch_share(batch_sharding: NamedSharding, rows: int) -> tuple[int, int]:
     return start // size, rows // size
 
 
-def any_process(value: int) -> int:
-    """The largest `value` over the processes (every process must call it at the same point)."""
+def any_process(*values: int) -> tuple[int, ...]:
+    """Each value's largest over the processes (a collective: all call it at the same point)."""
     if jax.process_count() == 1:
-        return value
-    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+        return values
+    gathered = multihost_utils.process_allgather(np.asarray(values, np.int32))  # [processes, n]
+    return tuple(int(v) for v in np.max(gathered, axis=0))
 
 
 def gather(value) -> list:

@@ -144,20 +144,13 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
     saver = SaveRetry(session.checkpoints, lambda at: session.save(at, loader, position), write)
     with bar:
         phase = None
-        # stop.agreed(): every step, on every process (all stop after the same step)
-        while step < total and not faults.stop_reason and not stop.agreed():
+        while step < total and not faults.stop_reason:
             if session.msa_phase != phase:
                 phase = session.msa_phase
                 seen = f"{session.tokens_seen:,} tokens seen"
                 write(f"m3-train: step {step}: MSA phase {phase} ({seen})")
-            before = loader.state()
-            try:
-                batch = stop.next_batch(loader)
-            except DataError as e:  # nothing usable left: keep the steps done, then stop
-                data_error, position = e, before
-                break
-            if batch is None:  # a stop signal came while loading: save the position before it
-                position = before
+            batch, position, data_error = _agreed_batch(stop, loader)
+            if batch is None:
                 break
             metrics = session.step(batch, session.forward_mode(step + 1))
             step += 1
@@ -198,6 +191,24 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
     if stop.signum and primary:
         print(f"m3-train: {signal.Signals(stop.signum).name}: {where}, stopping", flush=True)
     return step
+
+
+def _agreed_batch(stop, loader) -> tuple[dict | None, dict | None, DataError | None]:
+    """(the next batch, None, None), or when a process stops (a signal, no usable data left: all
+    processes stop before the same step) (None, the position to save or None for the loader's,
+    the DataError if the data ran out). Every process calls this once per step."""
+    if stop.alone and stop.signum:  # came during the step: no batch to load, nothing to agree
+        return None, None, None
+    before, error = loader.state(), None
+    try:
+        batch = stop.next_batch(loader)  # None if a signal came meanwhile
+    except DataError as e:  # nothing usable left: keep the steps done, then stop
+        batch, error = None, e
+    if not stop.agreed(has_batch=batch is not None):
+        return batch, None, None
+    if error is None and not stop.signum:
+        error = DataError("another process of the run has no usable data left")
+    return None, before, error  # the position before the batch not trained on
 
 
 def _evaluate(evaluator: Evaluator, writer: MetricsWriter, write, step: int) -> float:
@@ -336,13 +347,12 @@ class _Interrupted(Exception):
 class _StopOnSignal:
     """The first SIGINT/SIGTERM asks the loop to checkpoint and stop, and abandons a batch being
     loaded; a second SIGINT aborts; a second SIGTERM (schedulers repeat them) changes nothing.
-    With several processes a signal reaches one of them: `agreed` tells them all, and no batch is
-    abandoned (the others would wait for its step's collectives)."""
+    With several processes a signal reaches one of them: `agreed` tells them all."""
 
     def __enter__(self):
         self.signum = 0
         self._loading = False
-        self._alone = jax.process_count() == 1
+        self.alone = jax.process_count() == 1
         self._previous = {
             s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)
         }
@@ -352,7 +362,7 @@ class _StopOnSignal:
         """next(loader), or None when a stop signal arrives meanwhile (the loader's position is
         then undefined: the caller saves the position from before the call)."""
         try:
-            self._loading = self._alone
+            self._loading = True
             batch = next(loader)
             self._loading = False
             return batch
@@ -361,10 +371,11 @@ class _StopOnSignal:
         finally:
             self._loading = False
 
-    def agreed(self) -> int:
-        """The stop signal, if any process got one (all processes call this after each step)."""
-        self.signum = any_process(self.signum)
-        return self.signum
+    def agreed(self, *, has_batch: bool) -> bool:
+        """Whether to stop before the next step: a process got a signal (then `signum` is its)
+        or has no batch. A collective: every process calls it once per step."""
+        self.signum, missing = any_process(self.signum, int(not has_batch))
+        return bool(self.signum or missing)
 
     def _handle(self, signum, frame):
         if self.signum:
