@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -131,3 +132,31 @@ def test_explicit_multihost_flags_go_together():
     outside = argparse.Namespace(coordinator="node-0:8476", num_processes=2, process_id=2)
     with pytest.raises(ValueError, match="--process-id=2 is not in 0..1"):
         initialize(outside)
+
+
+SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[0-1]", "SLURM_PROCID": "1",
+              "SLURM_LOCALID": "0"}  # fmt: skip
+NO_FLAGS = argparse.Namespace(coordinator=None, num_processes=None, process_id=None)
+
+
+@pytest.mark.parametrize(("tasks", "joins"), [("2", True), ("1", False)])
+def test_an_srun_step_of_several_tasks_joins_through_jax_and_one_task_stays_alone(
+    monkeypatch, tasks, joins
+):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    for name, value in {**SLURM_STEP, "SLURM_NTASKS": tasks}.items():
+        monkeypatch.setenv(name, value)
+    initialize(NO_FLAGS)
+    assert calls == ([((), {})] if joins else [])  # no arguments: jax reads SLURM's variables
+
+
+def test_explicit_flags_join_and_no_flags_outside_a_launcher_change_nothing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append(a))
+    for name in (*SLURM_STEP, "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    initialize(NO_FLAGS)
+    assert calls == []
+    initialize(argparse.Namespace(coordinator="node-0:8476", num_processes=2, process_id=1))
+    assert calls == [("node-0:8476", 2, 1)]
