@@ -56,8 +56,8 @@ def process_share(run: RunConfig) -> tuple[int, int]:
     """(index, count): this process loads block `index` of `count` of each global batch."""
     if jax.process_count() == 1:
         return 0, 1
+    batch_sharding = sharding.batch_sharding(run_mesh(run))
     try:
-        batch_sharding = sharding.batch_sharding(run_mesh(run))
         return batch_share(batch_sharding, run.data.batch_size, run.data.seq_len)
     except ValueError as e:
         raise RunError(f"data.batch_size={run.data.batch_size}: {e}") from None
