@@ -372,10 +372,13 @@ class _StopOnSignal:
             self._loading = False
 
     def agreed(self, *, has_batch: bool) -> bool:
-        """Whether to stop before the next step: a process got a signal (then `signum` is its)
-        or has no batch. A collective: every process calls it once per step."""
-        self.signum, missing = any_process(self.signum, int(not has_batch))
-        return bool(self.signum or missing)
+        """Whether to stop before the next step: a process got a signal (then `signum` is its,
+        on every process) or has no batch. A collective: every process calls it once per step."""
+        signum, missing = any_process(self.signum, int(not has_batch))
+        if signum or missing:
+            self.signum = signum  # the same on every process
+            return True
+        return False  # keeps a signal that came meanwhile: the next step's agreement tells all
 
     def _handle(self, signum, frame):
         if self.signum:
