@@ -12,7 +12,11 @@ Because the stream is a pure function of (documents, seed), the loader's whole s
 number of rows emitted: any row is computed directly from its stream offsets (searchsorted into
 the epoch's cumulative document lengths), so `restore` is O(1) and needs no replay.
 
-Batch arrays, all [B, S] (B = batch_size, S = seq_len):
+Several processes: each loads only its block of every global batch (`shard_index` of
+`shard_count` equal blocks of consecutive rows), and counts the global batch's rows, so every
+process's state is the same and a run resumes on any number of processes.
+
+Batch arrays, all [B, S] (B = batch_size / shard_count, S = seq_len):
   tokens, targets  int32  input ids and next-token ids
   segment_ids      int32  1, 2, 3, ... per document piece within a row (0 = padding, never here)
   positions        int32  index within the segment
@@ -45,8 +49,9 @@ class PackedTextLoader:
         documents: the corpus; documents with empty text are dropped.
         tokenizer: provides `encode(text, add_bos=, add_eos=)`.
         seq_len: S, positions per row (>= 2).
-        batch_size: B, rows per batch (>= 1).
+        batch_size: rows per global batch (>= 1), a multiple of shard_count.
         seed: non-negative int; with the documents it fixes every epoch's order.
+        shard_index, shard_count: this process's block of each global batch.
     """
 
     def __init__(
@@ -57,6 +62,8 @@ class PackedTextLoader:
         seq_len: int,
         batch_size: int,
         seed: int,
+        shard_index: int = 0,
+        shard_count: int = 1,
     ):
         if not _is_int(seq_len) or seq_len < 2:
             raise ValueError(f"{seq_len=} must be an int >= 2")
@@ -64,6 +71,11 @@ class PackedTextLoader:
             raise ValueError(f"{batch_size=} must be an int >= 1")
         if not _is_int(seed) or seed < 0:
             raise ValueError(f"{seed=} must be a non-negative int")
+        if batch_size % shard_count or not 0 <= shard_index < shard_count:
+            raise ValueError(
+                f"{batch_size=} rows do not split into {shard_count=} blocks or {shard_index=} "
+                "is not one of them"
+            )
         kept = [doc for doc in documents if doc.text]
         encoded = [tokenizer.encode(doc.text, add_bos=True, add_eos=True) for doc in kept]
         if not encoded:
@@ -74,6 +86,8 @@ class PackedTextLoader:
         self.seq_len = int(seq_len)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
+        self._shard_rows = self.batch_size // shard_count  # this process's rows of a batch
+        self._shard_offset = shard_index * self._shard_rows
         self.num_documents = len(encoded)
         # All documents back to back; document d's tokens are _tokens[_starts[d]:_starts[d + 1]].
         self._tokens = np.concatenate(encoded).astype(np.int32)
@@ -96,13 +110,14 @@ class PackedTextLoader:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch, document = self._rows(self._rows_emitted, self.batch_size)
+        first = self._rows_emitted + self._shard_offset
+        batch, document = self._rows(first, self._shard_rows)
         self._last_documents = document[np.flatnonzero(np.diff(document, prepend=-1))]
         self._rows_emitted += self.batch_size
         return batch
 
     def provenance(self) -> str:
-        """The documents of the last batch, e.g. 'hamlet/act-1/scene-2, ...'."""
+        """The documents of this process's rows of the last batch, e.g. 'hamlet/act-1/scene-2, ...'."""
         return describe([self._doc_ids[d] for d in self._last_documents])
 
     def skip_counts(self) -> dict[str, int]:

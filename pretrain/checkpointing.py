@@ -1,11 +1,11 @@
 """Orbax checkpoints of a run: train state + data iterator state, one step per directory.
 
 Layout: RUN_DIR/checkpoints/<step>/{state, data, progress}: the train state (arrays), the data
-iterator's position and the run's progress (tokens seen, MSA phase, skipped steps, LR schedule
-horizon), the last two as JSON. Orbax writes each step to `<step>.orbax-checkpoint-tmp` and renames
-it when complete, so an interrupted save never looks like a checkpoint; leftovers of a killed
-process are removed when the directory is opened. Restores go onto the current mesh: the abstract
-target carries the shardings.
+iterator's position (every process's: pretrain/distributed.py) and the run's progress (tokens
+seen, MSA phase, skipped steps, LR schedule horizon), the last two as JSON. Orbax writes each
+step to `<step>.orbax-checkpoint-tmp` and renames it when complete, so an interrupted save never
+looks like a checkpoint; leftovers of a killed process are removed when the directory is opened.
+Restores go onto the current mesh: the abstract target carries the shardings.
 
 Failures are reported as one-line errors naming the step: a failed save (`CheckpointSaveError`,
 raised by `save`, `poll` or `wait`, once its other writes are done and its temporary folder is

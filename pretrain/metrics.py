@@ -33,6 +33,16 @@ class MetricsWriter:
             self._tensorboard.close()
 
 
+class NoMetrics:
+    """A MetricsWriter that writes nothing: processes other than 0 of a multi-host run."""
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(path: pathlib.Path) -> list[dict]:
     if not path.exists():
         return []

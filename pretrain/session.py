@@ -2,12 +2,11 @@
 
 Parameters are created directly in their sharded layout (a jitted init with out_shardings) or
 restored from the newest intact checkpoint onto the current mesh; the data iterator state travels
-in the same checkpoint, so a resumed run continues with exactly the next batch. A state holding
-NaN or infinity is never saved.
+in the same checkpoint (every process's, pretrain/distributed.py), so a resumed run continues with
+exactly the next batch. A state holding NaN or infinity is never saved.
 """
 
 import collections
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -24,6 +23,8 @@ from m3jax.model import Functional
 from pretrain.checkpoint_recovery import restore_newest_intact
 from pretrain.checkpointing import Checkpoints, abstract_with_shardings
 from pretrain.config import RunConfig
+from pretrain.data_loading import process_share, run_mesh
+from pretrain.distributed import data_item, gather, own_data_state
 from pretrain.faults import FaultMonitor, check_finite
 from pretrain.mfu import ModelFlops
 from pretrain.optimizer import learning_rate, make_optimizer
@@ -50,10 +51,7 @@ class TrainingSession:
         report: Callable[[str], None] = print,
     ):
         self.run, self.checkpoints, self.report = run, checkpoints, report
-        try:
-            self.mesh = sharding.make_mesh(dataclasses.asdict(run.mesh))
-        except ValueError as e:
-            raise ConfigError(f"{e} (set mesh.* to fit the devices)") from None
+        self.mesh = run_mesh(run)
         experts, expert_devices = run.model.moe.num_experts, self.mesh.shape["expert"]
         if "sparse" in run.model.mlp_layer_types and experts % expert_devices:
             raise ConfigError(
@@ -75,6 +73,7 @@ class TrainingSession:
         )
         self.state_shardings = self._state_shardings()
         self.batch_sharding = sharding.batch_sharding(self.mesh)
+        self.processes_per_batch = process_share(run)[1]  # blocks a global batch is loaded in
         self._use_schedule(horizon)
         self.state = None
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
@@ -107,7 +106,7 @@ class TrainingSession:
             return 0
         step, self.state, data_state, progress = restored
         try:
-            loader.restore(data_state)
+            loader.restore(own_data_state(data_state))
         except ValueError as e:
             raise DataPositionError(step, e) from None
         self.tokens_seen = progress["tokens_seen"]
@@ -140,9 +139,12 @@ class TrainingSession:
         return {**metrics, "model_flops_per_token": self.model_flops.per_token(batch, mode)}
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows as global arrays, sharded over the batch axes (host -> device)."""
+        """This process's rows (`process_share`) as global arrays, sharded over the batch axes
+        (host -> device). The global shape is given: only the rows are split over processes."""
         return {
-            k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+            k: jax.make_array_from_process_local_data(
+                self.batch_sharding, v, (v.shape[0] * self.processes_per_batch, *v.shape[1:])
+            )
             for k, v in batch.items()
         }
 
@@ -157,15 +159,16 @@ class TrainingSession:
 
     def save(self, step: int, loader, data_state: dict | None = None) -> None:
         """Starts saving the state at `step` with the loader's position (or `data_state`, the
-        position before an interrupted batch). Raises NonFiniteStateError instead of saving NaN."""
+        position before an interrupted batch), every process's (a collective: all call it at the
+        same step). Raises NonFiniteStateError instead of saving NaN."""
         check_finite(self.state, step)
         saved = {
             **progress(self.run, self.tokens_seen),
             "skipped_steps": self.faults.skipped_steps,
             "schedule_steps": self.schedule_steps,
         }
-        data_state = loader.state() if data_state is None else data_state
-        self.checkpoints.save(step, self.state, data_state, saved)
+        position = loader.state() if data_state is None else data_state
+        self.checkpoints.save(step, self.state, data_item(gather(position)), saved)
 
     def _use_schedule(self, steps: int) -> None:
         """Builds the optimizer and the jitted step for an LR schedule decaying over `steps`."""

@@ -10,6 +10,11 @@ step (or abandons the batch being loaded), saves a checkpoint and exits; a secon
 once, a second SIGTERM changes nothing. Any error stops with one line on stderr and exit code 2
 (a traceback only with --debug); so do too many non-finite steps (pretrain/faults.py) and a
 checkpoint save that fails twice in a row (pretrain/checkpoint_recovery.py).
+
+Multi-host: one process per host, each with the same command; under SLURM (`srun`), on a TPU pod
+slice or Kubernetes they find each other, elsewhere `--coordinator --num-processes --process-id`
+say how (pretrain/distributed.py). Process 0 alone prints and writes config.yaml, metrics.jsonl
+and TensorBoard; a stop signal to any process stops them all after the same step, all saving it.
 """
 
 import argparse
@@ -31,8 +36,9 @@ from pretrain.checkpointing import Checkpoints
 from pretrain.cli import add_debug_flag, run_command
 from pretrain.config import RunConfig, RunError, load_run_config
 from pretrain.data_loading import make_loader
+from pretrain.distributed import add_flags, any_process, initialize, is_primary
 from pretrain.evaluation import Evaluator
-from pretrain.metrics import MetricsWriter, read_metrics
+from pretrain.metrics import MetricsWriter, NoMetrics, read_metrics
 from pretrain.mfu import Peak, device_peak, window_throughput
 from pretrain.resume_checks import check_model, data_position_error, saved_run
 from pretrain.session import DataPositionError, TrainingSession
@@ -51,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/demo.yaml")
     parser.add_argument("--run-dir", help="where checkpoints and logs go (default runs/<config>)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optimizer.lr=1e-3")
+    add_flags(parser)
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.config).stem}")
 
     def command() -> int:
+        initialize(args)  # before anything touches a device
         summary = train(load_run_config(args.config, args.overrides), run_dir)
         return 128 + summary["stopped_by_signal"] if summary["stopped_by_signal"] else 0
 
@@ -67,14 +75,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
-    """Trains until run.train.steps (or a stop); returns the summary it prints."""
+    """Trains until run.train.steps (or a stop); returns the summary it prints (process 0)."""
+    primary = is_primary()
+    say = print if primary else _quiet
+    report = tqdm.write if primary else _quiet
     saved = saved_run(run_dir)
     check_model(run_dir, saved, run)
     loader = make_loader(run)
     new_dirs = [d for d in (run_dir, run_dir / "checkpoints") if not d.exists()]
     checkpoints = Checkpoints(run_dir / "checkpoints", run.checkpoint)
     try:
-        session = TrainingSession(functional(run.model), run, checkpoints, report=tqdm.write)
+        session = TrainingSession(functional(run.model), run, checkpoints, report=report)
         start = session.restore_or_init(loader)
     except BaseException as e:
         checkpoints.close()
@@ -86,18 +97,21 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
         raise
     evaluator = Evaluator(session, run) if run.eval.shards else None
     resumed = session.checkpoints.latest_step() is not None  # step 0 too: m3-import writes it
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
-    writer = MetricsWriter(run_dir, tensorboard=run.logging.tensorboard, resume_step=start)
-    print(
+    if primary:
+        _write_config(run_dir, run)
+        writer = MetricsWriter(run_dir, tensorboard=run.logging.tensorboard, resume_step=start)
+    else:
+        writer = NoMetrics()
+    say(
         f"m3-train: {'resuming at step ' + str(start) if resumed else 'starting'} in {run_dir} "
         f"({session.num_params / 1e6:.2f}M params, {jax.device_count()} {jax.default_backend()} "
         f"device(s), mesh {dict(session.mesh.shape)})",
         flush=True,
     )
     peak = device_peak(run.train.peak_tflops, jax.devices())
-    print(f"m3-train: {peak.describe()}", flush=True)
+    say(f"m3-train: {peak.describe()}", flush=True)
     if start >= run.train.steps:
-        print(f"m3-train: the run is complete ({start} of train.steps={run.train.steps}); "
+        say(f"m3-train: the run is complete ({start} of train.steps={run.train.steps}); "
               "raise train.steps to continue it")  # fmt: skip
     try:
         with _StopOnSignal() as stop:
@@ -105,6 +119,8 @@ def train(run: RunConfig, run_dir: pathlib.Path) -> dict:
     finally:
         writer.close()
         session.checkpoints.close()
+    if not primary:  # metrics.jsonl is process 0's
+        return {"start_step": start, "end_step": stopped_at, "stopped_by_signal": stop.signum}
     summary = _summary(run_dir, start, stopped_at, stop.signum)
     summary["peak"] = peak
     summary["modality_tokens"] = dict(session.modality_tokens)
@@ -121,24 +137,20 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
     pending, window_start, untimed = [], time.perf_counter(), 0
     step = saved = start
     faults, position, data_error = session.faults, None, None
+    primary = is_primary()
     bar = tqdm(total=total, initial=start, desc="train", unit="step", mininterval=1.0,
-               disable=not run.logging.progress_bar, dynamic_ncols=True)  # fmt: skip
-    saver = SaveRetry(session.checkpoints, lambda at: session.save(at, loader, position), bar.write)
+               disable=not (run.logging.progress_bar and primary), dynamic_ncols=True)  # fmt: skip
+    write = bar.write if primary else _quiet
+    saver = SaveRetry(session.checkpoints, lambda at: session.save(at, loader, position), write)
     with bar:
         phase = None
-        while step < total and not stop.signum and not faults.stop_reason:
+        while step < total and not faults.stop_reason:
             if session.msa_phase != phase:
                 phase = session.msa_phase
                 seen = f"{session.tokens_seen:,} tokens seen"
-                bar.write(f"m3-train: step {step}: MSA phase {phase} ({seen})")
-            before = loader.state()
-            try:
-                batch = stop.next_batch(loader)
-            except DataError as e:  # nothing usable left: keep the steps done, then stop
-                data_error, position = e, before
-                break
-            if batch is None:  # a stop signal came while loading: save the position before it
-                position = before
+                write(f"m3-train: step {step}: MSA phase {phase} ({seen})")
+            batch, position, data_error = _agreed_batch(stop, loader)
+            if batch is None:
                 break
             metrics = session.step(batch, session.forward_mode(step + 1))
             step += 1
@@ -147,7 +159,7 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
             if step == start + 1:  # compilation: keep its metrics, leave it out of throughput
                 jax.block_until_ready(metrics)
                 seconds = time.perf_counter() - window_start
-                bar.write(f"m3-train: first step (incl. compilation) took {seconds:.1f} s")
+                write(f"m3-train: first step (incl. compilation) took {seconds:.1f} s")
                 window_start, untimed = time.perf_counter(), 1
             if step % log_every == 0 or step == total or step == start + 1:
                 faults.flush()
@@ -157,10 +169,10 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
                 logged.update(skipped_steps=faults.skipped_steps, **loader.skip_counts())
                 writer.write(step, logged)
                 bar.set_postfix(loss=f"{logged['loss']:.3f}", refresh=False)
-                bar.write(_console_line(step, total, logged))
+                write(_console_line(step, total, logged))
                 pending, window_start, untimed = [], time.perf_counter(), 0
             if evaluator is not None and step % run.eval.every_steps == 0:
-                window_start += _evaluate(evaluator, writer, bar, step)  # not in throughput
+                window_start += _evaluate(evaluator, writer, write, step)  # not in throughput
             if step % run.checkpoint.every_steps == 0 or step == total:
                 faults.flush()
                 saver.save(step)
@@ -176,19 +188,48 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
         raise RunError(f"{faults.stop_reason}; stopped: {where} (the last good state)")
     if data_error:
         raise DataError(f"{data_error}; stopped: {where}")
-    if stop.signum:
+    if stop.signum and primary:
         print(f"m3-train: {signal.Signals(stop.signum).name}: {where}, stopping", flush=True)
     return step
 
 
-def _evaluate(evaluator: Evaluator, writer: MetricsWriter, bar, step: int) -> float:
+def _agreed_batch(stop, loader) -> tuple[dict | None, dict | None, DataError | None]:
+    """(the next batch, None, None), or when a process stops (a signal, no usable data left: all
+    processes stop before the same step) (None, the position to save or None for the loader's,
+    the DataError if the data ran out). Every process calls this once per step."""
+    if stop.alone and stop.signum:  # came during the step: no batch to load, nothing to agree
+        return None, None, None
+    before, error = loader.state(), None
+    try:
+        batch = stop.next_batch(loader)  # None if a signal came meanwhile
+    except DataError as e:  # nothing usable left: keep the steps done, then stop
+        batch, error = None, e
+    if not stop.agreed(has_batch=batch is not None):
+        return batch, None, None
+    if error is None and not stop.signum:
+        error = DataError("another process of the run has no usable data left")
+    return None, before, error  # the position before the batch not trained on
+
+
+def _evaluate(evaluator: Evaluator, writer: MetricsWriter, write, step: int) -> float:
     """Evaluates, logs; returns the seconds it took."""
     began = time.perf_counter()
     logged = evaluator()
     writer.write(step, logged)
     parts = [f"{k} {logged[k]:.4g}" for k in EVAL_LOG_KEYS if k in logged]
-    bar.write(f"eval {step:>7} | " + " | ".join(parts))
+    write(f"eval {step:>7} | " + " | ".join(parts))
     return time.perf_counter() - began
+
+
+def _write_config(run_dir: pathlib.Path, run: RunConfig) -> None:
+    # whole or not at all: the other processes of a run may be reading it (resume_checks.py)
+    temporary = run_dir / "config.yaml.tmp"
+    temporary.write_text(yaml.safe_dump(to_mapping(run), sort_keys=False))
+    temporary.replace(run_dir / "config.yaml")
+
+
+def _quiet(*args, **kwargs) -> None:
+    """print / tqdm.write on processes other than 0."""
 
 
 def _console_line(step: int, total: int, logged: dict) -> str:
@@ -305,11 +346,13 @@ class _Interrupted(Exception):
 
 class _StopOnSignal:
     """The first SIGINT/SIGTERM asks the loop to checkpoint and stop, and abandons a batch being
-    loaded; a second SIGINT aborts; a second SIGTERM (schedulers repeat them) changes nothing."""
+    loaded; a second SIGINT aborts; a second SIGTERM (schedulers repeat them) changes nothing.
+    With several processes a signal reaches one of them: `agreed` tells them all."""
 
     def __enter__(self):
         self.signum = 0
         self._loading = False
+        self.alone = jax.process_count() == 1
         self._previous = {
             s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)
         }
@@ -327,6 +370,15 @@ class _StopOnSignal:
             return None
         finally:
             self._loading = False
+
+    def agreed(self, *, has_batch: bool) -> bool:
+        """Whether to stop before the next step: a process got a signal (then `signum` is its,
+        on every process) or has no batch. A collective: every process calls it once per step."""
+        signum, missing = any_process(self.signum, int(not has_batch))
+        if signum or missing:
+            self.signum = signum  # the same on every process
+            return True
+        return False  # keeps a signal that came meanwhile: the next step's agreement tells all
 
     def _handle(self, signum, frame):
         if self.signum:

@@ -188,6 +188,28 @@ def test_packed_text_loader_restore_with_other_batch_size_continues_rows():
     np.testing.assert_array_equal(_stack(_take(smaller, 4), "tokens"), expected)
 
 
+def test_packed_text_loader_process_blocks_make_up_the_global_batch_and_share_one_state():
+    documents = _documents(seed=8, count=12, max_len=30)
+    make = lambda index, count: PackedTextLoader(
+        documents, ByteTokenizer(), seq_len=8, batch_size=6, seed=2,
+        shard_index=index, shard_count=count,
+    )  # fmt: skip
+    whole, blocks = make(0, 1), [make(i, 3) for i in range(3)]
+    for _ in range(4):
+        batch, pieces = next(whole), [next(block) for block in blocks]
+        for key in KEYS:
+            np.testing.assert_array_equal(np.concatenate([p[key] for p in pieces]), batch[key])
+    assert all(block.state() == whole.state() for block in blocks)  # global rows: any count resumes
+
+
+def test_packed_text_loader_rejects_a_block_that_does_not_split_the_batch():
+    with pytest.raises(ValueError, match="do not split"):
+        PackedTextLoader(
+            _documents(seed=8, count=4, max_len=30), ByteTokenizer(), seq_len=8, batch_size=6,
+            seed=0, shard_index=0, shard_count=4,
+        )  # fmt: skip
+
+
 def test_packed_text_loader_rejects_malformed_state():
     documents = _documents(seed=8, count=10, max_len=30)
     loader = PackedTextLoader(documents, ByteTokenizer(), seq_len=8, batch_size=2, seed=1)

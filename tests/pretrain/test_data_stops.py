@@ -23,8 +23,9 @@ def test_skipped_documents_are_in_metrics_and_summary_by_reason(tmp_path, capsys
     write_documents(documents, tmp_path / "set", shard_size=200)  # 4 documents a shard
     shard = sorted((tmp_path / "set").glob("shard-*.array_record"))[1]
     shard.write_bytes(shard.read_bytes()[:100])  # its records are unreadable, the others fine
-    run = multimodal_run(data={"shards": [str(tmp_path / "set")], "weights": []},
-                         train={"steps": 4})  # the demo runs' shapes: their compilation is cached
+    run = multimodal_run(
+        data={"shards": [str(tmp_path / "set")], "weights": []}, train={"steps": 4}
+    )  # the demo runs' shapes: their compilation is cached
     summary = train(run, tmp_path / "run")
     skipped = summary["skipped_documents"]
     assert skipped["skipped_documents"] == skipped["skipped_unreadable"] > 0
@@ -32,7 +33,9 @@ def test_skipped_documents_are_in_metrics_and_summary_by_reason(tmp_path, capsys
     last = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
     assert last["skipped_unreadable"] == skipped["skipped_unreadable"]
     out = capsys.readouterr().out
-    assert "were unusable (" in out and f"skipped: unreadable {skipped['skipped_unreadable']}" in out
+    assert (
+        "were unusable (" in out and f"skipped: unreadable {skipped['skipped_unreadable']}" in out
+    )
 
 
 class _RunsDryLoader(PackedTextLoader):
@@ -52,4 +55,7 @@ def test_running_out_of_usable_data_checkpoints_the_steps_done(tmp_path, monkeyp
     saved = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
         tmp_path / "run" / "checkpoints" / "2" / "data"
     )
-    assert saved["rows_emitted"] == 2 * 4  # where step 3 starts: a fixed data set resumes there
+    assert saved["process_count"] == 1  # one process's position (pretrain/distributed.py)
+    assert (
+        saved["processes"][0]["rows_emitted"] == 2 * 4
+    )  # where step 3 starts: a fixed data set resumes there
