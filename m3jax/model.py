@@ -235,7 +235,7 @@ class Functional:
             if load is not None:
                 bias = balanced_bias(stacks[i]["layers"]["mlp"]["correction_bias"], load, rate)
                 stacks[i] = {"layers": {"mlp": {"correction_bias": bias}}}
-        rebalanced = {**buffers, "stacks": stacks}
+        rebalanced = {**buffers, "stacks": stacks} if stacks else dict(buffers)  # no MoE: none
         if any(load is not None for load in loads[num_stacks:]):
             depths = dict(buffers["mtp"]["depths"])
             for i, load in enumerate(loads[num_stacks:]):

@@ -57,6 +57,14 @@ def test_train_step_moves_router_bias_against_load():
     assert (bias[load > load.mean()] < 0).all() and (bias[load < load.mean()] > 0).all()
 
 
+def test_a_model_without_moe_trains_with_no_router_buffers():
+    _, _, step, state = setup(model={"layer_types": ["full_attention"] * 2,
+                                     "mlp_layer_types": ["dense"] * 2})  # fmt: skip
+    new_state, metrics = step(state, make_batch())
+    assert np.isfinite(metrics["loss"])
+    assert jax.tree.structure(new_state["buffers"]) == jax.tree.structure(state["buffers"])
+
+
 def test_lm_loss_gives_the_indexer_no_gradient():
     model, run, _, state = setup()
     batch = make_batch()
