@@ -1,5 +1,7 @@
-"""Every MSA backend against the O(S²) reference: the same tests for the XLA path and the Pallas
-kernels (run by Pallas' interpreter on CPU, at sizes the GPU kernels take: powers of two ≥ 16).
+"""Every MSA backend against the O(S²) reference: the same tests for the XLA path, the GPU Pallas
+kernels (run by Pallas' interpreter on CPU, at sizes the GPU kernels take: powers of two ≥ 16) and
+the TPU kernels (Pallas' generic interpreter here; the TPU interpreter, which simulates SMEM, VMEM
+and the DMAs of the scalar-prefetch table, in `test_tpu_kernels_in_the_tpu_interpreter`).
 
 Random inputs (never zeros), lengths that are not multiples of the block size, batch > 1, packed
 documents (one starting mid-block) and right padding, queries with fewer than k blocks, values and
@@ -16,7 +18,7 @@ import pytest
 
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
-from pallas_kernels.msa import pallas, reference, xla
+from pallas_kernels.msa import pallas, reference, tpu, xla
 from pallas_kernels.msa.chunks import Tiling
 from pallas_kernels.msa.selection_kernel import Tiling as SelectionTiling
 
@@ -29,9 +31,12 @@ SMALL = pallas.Config(
     backward=Tiling(rows=16, segment_chunks=3, key_split=2),
     selection=SelectionTiling(rows=16),
 )
+# TPU: tiles of 4 queries × 4 heads, tables of at most 5 tiles (several windows per row).
+TPU_SMALL = tpu.Config(rows=16, table_entries=100)
 BACKENDS = {
     "xla": (xla, {}),
     "pallas": (pallas, {"config": SMALL, "interpret": True}),
+    "tpu": (tpu, {"config": TPU_SMALL, "interpret": True}),
 }
 SETTINGS = [(16, 2, 1), (16, 3, 2), (32, 2, 1)]  # (block_size, topk_blocks, local_blocks)
 
