@@ -5,10 +5,11 @@ Every MSA backend module implements the signatures that `pallas_kernels/msa/refe
 one field:
 - "reference": the O(S²) `jnp` references (exact, readable; tests and short S);
 - "xla": query-tiled XLA with memory linear in S (pallas_kernels/*/xla.py);
-- "pallas": the GPU kernels — MSA's Pallas kernels (pallas_kernels/msa/pallas.py) and cuDNN's
-  packed flash attention for dense attention (pallas_kernels/attention/cudnn.py) — an error
-  where they cannot run the layer;
-- "auto" (default): "pallas" on GPUs where the kernels apply, else "xla".
+- "pallas": the kernels of the machine — on GPUs MSA's Pallas kernels (pallas_kernels/msa/pallas.py)
+  and cuDNN's packed flash attention for dense attention (pallas_kernels/attention/cudnn.py); on
+  TPUs MSA's Mosaic TPU kernels (pallas_kernels/msa/tpu.py) — an error where they cannot run the
+  layer;
+- "auto" (default): "pallas" on GPUs and TPUs where the kernels apply, else "xla".
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
 head dim.
@@ -24,6 +25,7 @@ from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
+from pallas_kernels.msa import tpu as msa_tpu
 from pallas_kernels.msa import xla as msa_xla
 from pallas_kernels.msa.reference import Student
 
@@ -36,12 +38,14 @@ def msa_backend(
     """The module that runs an MSA layer with these operands under `attention_impl=impl`."""
     if impl in ("reference", "xla"):
         return MSA_BACKENDS[impl]
-    if impl == "auto" and jax.default_backend() != "gpu":
+    platform = jax.default_backend()
+    if impl == "auto" and platform not in ("gpu", "tpu"):
         return msa_xla
-    reason = msa_pallas.unsupported_reason(q, k, index_q, block_size=msa.block_size)
+    kernels = msa_tpu if platform == "tpu" else msa_pallas
+    reason = kernels.unsupported_reason(q, k, index_q, block_size=msa.block_size)
     if impl == "pallas" and reason:
         raise ValueError(f"attention_impl='pallas' cannot run this MSA layer: {reason}")
-    return msa_xla if reason else msa_pallas
+    return msa_xla if reason else kernels
 
 
 def dense(

@@ -56,13 +56,19 @@ class Config:
             raise ValueError(f"{self.rows=} and {self.table_entries=} must be positive")
 
 
-def unsupported_reason(q: jax.Array, k: jax.Array, index_q: jax.Array, *, block_size: int) -> str:
-    """Why the kernels can't run a layer with these operands ('' when they can). The compiled
-    kernels want lane-dense tiles: head dims and the block a multiple of 128."""
+def unsupported_reason(
+    q: jax.Array, k: jax.Array, index_q: jax.Array, *, block_size: int, config: Config = Config()
+) -> str:
+    """Why the compiled kernels can't run a layer with these operands ('' when they can); the
+    interpreters take any. Conservative (unverified on a TPU): lane-dense head dims and blocks
+    (multiples of 128 lanes) and whole sublane tiles of queries (multiples of 8)."""
     sizes = {"head_dim": q.shape[3], "index_head_dim": index_q.shape[3], "block_size": block_size}
     for name, size in sizes.items():
         if size % 128:
             return f"{name}={size} is not a multiple of 128"
+    queries = max(1, config.rows // (q.shape[2] // k.shape[2]))
+    if queries % 8:
+        return f"rows={config.rows} give {queries} queries a tile, not a multiple of 8"
     return ""
 
 
