@@ -5,10 +5,10 @@ Every MSA backend module implements the signatures that `pallas_kernels/msa/refe
 one field:
 - "reference": the O(S²) `jnp` references (exact, readable; tests and short S);
 - "xla": query-tiled XLA with memory linear in S (pallas_kernels/*/xla.py);
-- "pallas": the kernels of the machine — on GPUs MSA's Pallas kernels (pallas_kernels/msa/pallas.py)
-  and cuDNN's packed flash attention for dense attention (pallas_kernels/attention/cudnn.py); on
-  TPUs MSA's Mosaic TPU kernels (pallas_kernels/msa/tpu.py) — an error where they cannot run the
-  layer;
+- "pallas": the kernels of the machine, an error where they cannot run the layer — on GPUs MSA's
+  Pallas kernels (pallas_kernels/msa/pallas.py) and cuDNN's packed flash attention for dense
+  attention (pallas_kernels/attention/cudnn.py); on TPUs MSA's Mosaic TPU kernels
+  (pallas_kernels/msa/tpu.py; dense attention stays XLA's there);
 - "auto" (default): "pallas" on GPUs and TPUs where the kernels apply, else "xla".
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index

@@ -18,7 +18,7 @@ import pytest
 
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
-from pallas_kernels.msa import pallas, reference, tpu, xla
+from pallas_kernels.msa import pallas, reference, tpu, tpu_kernels, xla
 from pallas_kernels.msa.chunks import Tiling
 from pallas_kernels.msa.selection_kernel import Tiling as SelectionTiling
 
@@ -39,6 +39,9 @@ BACKENDS = {
     "tpu": (tpu, {"config": TPU_SMALL, "interpret": True}),
 }
 SETTINGS = [(16, 2, 1), (16, 3, 2), (32, 2, 1)]  # (block_size, topk_blocks, local_blocks)
+# The TPU backend where a test adds little for it (its selection is the XLA path's) and costs
+# seconds of interpreter compile: under `slow`.
+BUT_TPU_SLOW = [pytest.param(b, marks=pytest.mark.slow) if b == "tpu" else b for b in BACKENDS]
 
 
 def inputs(seq=75, batch=2, heads=8, kv_heads=2, head_dim=16, index_dim=16, seed=0):
@@ -69,7 +72,7 @@ def select(x, block_size, topk, local):
                                 topk_blocks=topk, local_blocks=local)  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BUT_TPU_SLOW)
 @pytest.mark.parametrize("block_size, topk, local", SETTINGS)
 def test_top_blocks_matches_reference(backend, block_size, topk, local):
     module, kwargs = BACKENDS[backend]
@@ -168,8 +171,11 @@ def test_kl_gradient_never_reaches_the_attention_inputs(backend):
         assert not jnp.any(g)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("offset", [37, 32])
+@pytest.mark.parametrize(
+    "backend, offset",
+    [(b, o) for b in BACKENDS for o in (37, 32) if (b, o) != ("tpu", 32)]
+    + [pytest.param("tpu", 32, marks=pytest.mark.slow)],
+)
 def test_document_packed_at_an_offset_equals_the_document_alone(backend, offset):
     """Blocks count from the document's first token: a document packed after `offset` slots of
     another gets the same selection, output and KL as alone in a row (issue: packed documents
@@ -197,7 +203,7 @@ def test_document_packed_at_an_offset_equals_the_document_alone(backend, offset)
     np.testing.assert_allclose(tail(packed[2]), alone[2], atol=F32_TOLERANCE)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BUT_TPU_SLOW)
 def test_sparse_equals_dense_when_every_block_is_selected(backend):
     module, kwargs = BACKENDS[backend]
     q, k, v, index_q, index_k, segments, positions = inputs(seq=60)
@@ -258,6 +264,46 @@ def test_kernels_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="block_size=15"):
         pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=15, config=SMALL,
                                 interpret=True)  # fmt: skip
+
+
+def test_tpu_kernels_in_the_tpu_interpreter():
+    """Pallas' TPU interpreter simulates SMEM, VMEM and every DMA (out-of-bounds reads raise):
+    the scalar-prefetch tables and the blocks their data-dependent index_maps fetch run as on a
+    TPU, forward and backward. A second document starts mid-block (slot 37), padding follows;
+    batch 2."""
+    q, k, v, index_q, index_k, segments, positions = x = inputs(seq=45, heads=4, kv_heads=1)
+    blocks = select(x, 16, 2, 1)
+    weights = jax.random.normal(jax.random.key(9), q.shape)
+    kwargs = {"config": tpu.Config(rows=64), "interpret": None}  # None: the TPU interpreter
+
+    def values_and_grads(module, **kwargs):
+        loss = loss_of(module, blocks, segments, positions, 16, weights, **kwargs)
+        return jax.value_and_grad(loss, argnums=range(3))(q, k, v, index_q, index_k)
+
+    value, grads = values_and_grads(tpu, **kwargs)
+    expected_value, expected_grads = values_and_grads(reference)
+    np.testing.assert_allclose(value, expected_value, rtol=F32_TOLERANCE)
+    for name, g, e in zip(("q", "k", "v"), grads, expected_grads):
+        np.testing.assert_allclose(g, e, atol=GRAD_TOLERANCE, err_msg=name)
+
+
+def test_tpu_table_lists_exactly_the_selected_blocks_of_aligned_documents():
+    """One document per row from slot 0: a tile visits the union of its queries' selections and
+    nothing else (so only those K/V blocks are DMA'd); after the count the last block repeats."""
+    q, k, v, index_q, index_k, segments, positions = x = inputs(seq=80, batch=1)
+    segments, positions = jnp.ones_like(segments), jnp.arange(80)[None]
+    blocks = select((q, k, v, index_q, index_k, segments, positions), 16, 2, 1)
+    geo = tpu._geometry(q, k, 16, 2, 16, tpu.Config(rows=16))  # 4 queries a tile, 20 tiles
+    touched = tpu_kernels.touched_blocks(blocks, jnp.arange(80), positions, geo)
+    table, counts = tpu_kernels.sorted_lists(touched, geo.entries)
+    table = np.asarray(table).reshape(1, 2, 20, geo.entries)
+    for head in range(2):
+        for tile in range(20):
+            chosen = np.asarray(blocks[0, tile * 4 : tile * 4 + 4, head]).ravel()
+            wanted = sorted(set(chosen[chosen >= 0].tolist()))
+            count = int(counts.reshape(1, 2, 20)[0, head, tile])
+            assert table[0, head, tile, :count].tolist() == wanted
+            assert (table[0, head, tile, count:] == wanted[-1]).all()
 
 
 @pytest.mark.parametrize("tile", [5, 16, 64])
