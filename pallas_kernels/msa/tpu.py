@@ -1,29 +1,24 @@
 """MiniMax Sparse Attention on TPUs through Mosaic TPU Pallas kernels: `reference.py`'s signatures.
 
-- `sparse_attention` forward: query-tile-major (spec/msa.md §4 (a)). One program per (row, kv
-  head, tile of Tq queries) walks the key blocks its queries selected; the G heads of the Tq
-  queries fill Tq·G rows of each Q·Kᵀ (128 by default: one MXU pass). The walk is a table in
-  scalar prefetch (`PrefetchScalarGridSpec`): for every (row, kv head, tile), the fixed row blocks
-  of `block_size` keys that hold a key of some selected document block, sorted. K/V blocks come
-  through data-dependent `index_map`s reading that table, so only those blocks are DMA'd; the
-  table repeats its last block after the end, where the pipeline skips the copy and the kernel
-  skips the work. Online softmax, fp32 accumulation. Inside a block, a key counts for a query when
-  its own document block (positions // block_size, reference.py) is among the query's selection,
-  it is in the query's document and not after it. A document starting mid-block touches two row
-  blocks per selected block; one per row from slot 0 touches exactly the selected blocks.
-  With a student, a second kernel over the same table computes the indexer's KL with the main
-  branch's LSEs known (the teacher averages G heads' probabilities, which an online pass cannot).
-- `sparse_attention` backward: the XLA path's (`xla.sparse_attention`) recomputed under `jax.vjp`
-  — not a kernel yet.
-- `top_blocks`, `dense_attention` and `block_recall`: the XLA path's.
+- `sparse_attention`, forward and backward (custom VJP), query-tile-major (spec/msa.md §4 (a)):
+  one program per (row, kv head, tile of Tq queries) walks the key blocks its queries selected;
+  the G heads of the Tq queries fill the Tq·G rows of each Q·Kᵀ (128 by default: one MXU pass).
+  The walk is a table in scalar prefetch (`PrefetchScalarGridSpec`) and K/V blocks come through
+  data-dependent `index_map`s reading it, so only the blocks some query of the tile selected are
+  DMA'd. Online softmax, fp32 accumulation. A key counts for a query when its own document block
+  (positions // block_size, reference.py) is among the query's selection, it is in the query's
+  document and not after it; a document starting mid-block touches two row blocks per selected
+  block, one per row from slot 0 exactly the selected blocks. dQ (and d index_q) run over the
+  same table; dK, dV (and d index_k) over the inverted one, key block -> query tiles. The
+  indexer's KL takes a second forward kernel, the LSEs known. Kernels: tpu_kernels.py.
+- `top_blocks`, `dense_attention` and `block_recall`: the XLA path's (no selection kernel yet).
 
-Queries go in windows so that one call's table stays within `table_entries` (SMEM is small).
+Queries go in windows so that one call's tables stay within `table_entries` (SMEM is small).
 On a machine without a TPU the kernels run in Pallas' TPU interpreter (`interpret=None` picks it),
-which checks block specs and the scalar-prefetch table on CPU. Speed is unmeasured.
+which checks block specs and the scalar-prefetch tables on CPU. Speed: unmeasured (no TPU here).
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi), G = H // K, Dh head dim, Di index
-head dim, k selected blocks per query, Tq queries per tile, R = Tq·G rows, nb row blocks of keys,
-U table entries per tile, W queries per window.
+head dim, k selected blocks per query, Tq queries per tile, W queries per window.
 """
 
 import dataclasses
@@ -163,67 +158,71 @@ def _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions):
     return keys, windows
 
 
+def _queries(geo, x):  # [B, S, K] -> [count, B, K, W, 1]
+    return _windows(geo, _pad(x, _count(geo) * geo.window).transpose(0, 2, 1)[..., None])
+
+
+def _from_queries(geo, x):  # [count, B, K, W, D] -> [B, S, K, D]
+    x = jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], -1, x.shape[-1])
+    return x.transpose(0, 2, 1, 3)[:, : geo.seq]
+
+
 def _forward(geo, interpret, q, k, v, index_q, index_k, blocks, segment_ids, positions):
-    """The kernels over every window -> out [B, S, H, Dh], KL [B, S, K] fp32 or None, and the
-    LSE rows [count, B, K, W·G, 1] (for the backward)."""
+    """The kernels over every window -> out [B, S, H, Dh], KL [B, S, K] fp32 or None, and for
+    the backward the LSE rows [count, B, K, W·G, 1] and the student's [count, B, K, W, 1]."""
     keys, windows = _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions)
-    xs = (_rows(geo, q), *windows)
     run = functools.partial(tpu_kernels.window_forward, geo, interpret, keys)
-    out, lse, kl = jax.lax.map(run, xs)
-    if kl is not None:
-        kl = kl[..., 0].transpose(1, 0, 3, 2).reshape(geo.batch, -1, geo.num_kv_heads)
-        kl = kl[:, : geo.seq]
-    return _from_rows(geo, out), kl, lse
+    out, lse, kl, lse_z = jax.lax.map(run, (_rows(geo, q), *windows))
+    kl = None if kl is None else _from_queries(geo, kl)[..., 0]
+    return _from_rows(geo, out), kl, lse, lse_z
 
 
-def _backward(geo, interpret, residuals, d_out):
-    """dq, dk, dv of the main branch from the kernels (fp32 sums over windows)."""
-    q, k, v, _, _, blocks, segment_ids, positions, out, lse = residuals
+def _backward(geo, interpret, residuals, d_out, d_kl):
+    """The kernels' gradients of q, k, v (and of index_q, index_k with a student), summed over
+    windows in fp32."""
+    q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z = residuals
+    with_student = index_q is not None
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
-    keys, windows = _operands(geo, k, v, None, None, blocks, segment_ids, positions)
-    xs = (_rows(geo, q), *windows[:4], None, lse, _rows(geo, d_out.astype(q.dtype)),
-          _rows(geo, delta))  # fmt: skip
+    keys, windows = _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions)
+    student_grads = (lse_z, _queries(geo, d_kl.astype(jnp.float32))) if with_student else None
+    xs = (_rows(geo, q), *windows, lse, _rows(geo, d_out.astype(q.dtype)), _rows(geo, delta),
+          student_grads)  # fmt: skip
 
     def window(sums, x):
-        dq, dk, dv = tpu_kernels.window_backward(geo, interpret, keys, x[:6], *x[6:])
-        return (sums[0] + dk, sums[1] + dv), dq
+        grads = tpu_kernels.window_backward(geo, interpret, keys, x[:6], *x[6:])
+        dq, d_index_q = grads[0], grads[1] if with_student else None
+        key_grads = grads[2:] if with_student else grads[1:]
+        return tuple(total + g for total, g in zip(sums, key_grads)), (dq, d_index_q)
 
-    zeros = jnp.zeros(keys["k"].shape, jnp.float32)
-    (dk, dv), dq = jax.lax.scan(window, (zeros, zeros), xs)
+    zeros = [jnp.zeros(keys["k"].shape, jnp.float32)] * 2
+    if with_student:
+        zeros.append(jnp.zeros((*keys["k"].shape[:3], geo.index_dim), jnp.float32))
+    sums, (dq, d_index_q) = jax.lax.scan(window, tuple(zeros), xs)
     to_rows = lambda x, like: x.transpose(0, 2, 1, 3)[:, : geo.seq].astype(like.dtype)
-    return _from_rows(geo, dq).astype(q.dtype), to_rows(dk, k), to_rows(dv, v)
+    grads = (_from_rows(geo, dq).astype(q.dtype), to_rows(sums[0], k), to_rows(sums[1], v))
+    if not with_student:
+        return (*grads, None, None)
+    d_index_k = sums[2].sum(axis=1)[:, : geo.seq].astype(index_k.dtype)  # over the kv heads
+    return (*grads, _from_queries(geo, d_index_q).astype(index_q.dtype), d_index_k)
 
 
 @functools.cache
-def _attention(geo: tpu_kernels.Geometry, block_size: int, interpret):
-    """Custom-VJP sparse attention: kernels forward and for dq, dk, dv; the student's gradients
-    (from the KL) through the XLA path."""
+def _attention(geo: tpu_kernels.Geometry, interpret):
+    """Custom-VJP sparse attention, the kernels both ways."""
     forward_kernels = jax.jit(functools.partial(_forward, geo, interpret))
     backward_kernels = jax.jit(functools.partial(_backward, geo, interpret))
 
     @jax.custom_vjp
     def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions):
-        out, kl, _ = forward_kernels(q, k, v, index_q, index_k, blocks, segment_ids, positions)
-        return out, kl
+        args = (q, k, v, index_q, index_k, blocks, segment_ids, positions)
+        return forward_kernels(*args)[:2]
 
     def forward(*args):
-        out, kl, lse = forward_kernels(*args)
-        return (out, kl), (*args, out, lse)
+        out, kl, lse, lse_z = forward_kernels(*args)
+        return (out, kl), (*args, out, lse, lse_z)
 
     def backward(residuals, cotangents):
-        q, k, v, index_q, index_k, blocks, segment_ids, positions = residuals[:8]
-        d_out, d_kl = cotangents
-        dq, dk, dv = backward_kernels(residuals, d_out)
-        if index_q is None:
-            return dq, dk, dv, None, None, None, None, None
-
-        def kl_of(index_q, index_k):  # the teacher is a constant: no gradient into q, k, v
-            student = (index_q, index_k)
-            return xla.sparse_attention(q, k, v, blocks, segment_ids, positions,
-                                        block_size=block_size, student=student)[1]  # fmt: skip
-
-        _, vjp = jax.vjp(kl_of, index_q, index_k)
-        return dq, dk, dv, *vjp(d_kl), None, None, None
+        return (*backward_kernels(residuals, *cotangents), None, None, None)
 
     attention.defvjp(forward, backward)
     return attention
@@ -249,5 +248,5 @@ def sparse_attention(
     index_q, index_k = (None, None) if student is None else student
     index_dim = q.shape[3] if index_q is None else index_q.shape[3]
     geo = _geometry(q, k, index_dim, block_indices.shape[-1], block_size, config)
-    attention = _attention(geo, block_size, _interpret(interpret))
+    attention = _attention(geo, _interpret(interpret))
     return attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions)

@@ -10,8 +10,9 @@ does not change, and the kernels skip the work (`pl.when`).
 Kernels (`fp32` accumulation in VMEM scratch, one MXU product per Q·Kᵀ of R = Tq·G rows):
 - `forward`: online softmax -> out and LSE per row (and the student's LSE per query);
 - `kl`: the indexer's KL per query, the LSEs known (the teacher averages G heads' probabilities);
-- `dq`: dQ per row tile over the forward order;
-- `dkv`: dK, dV per key block over the inverted order (the queries that chose the block).
+- `dq`: dQ per row tile over the forward order (and d index_q, from the KL);
+- `dkv`: dK, dV per key block over the inverted order, the queries that chose the block (and
+  d index_k per kv head, from the KL).
 
 Shapes: B batch, K kv heads, G heads per group, Tq queries per tile, R = Tq·G rows, W queries
 per window, nb row blocks of `block_size` keys, U forward entries per tile, Dh, Di head dims.
@@ -123,8 +124,10 @@ def _specs(geo, names, order):
         "v": (key_block, keys),
         "iq": ((None, None, geo.tile, geo.index_dim), rows),
         "ik": ((None, geo.block_size, geo.index_dim), index_keys),
+        "ik_heads": ((None, None, geo.block_size, geo.index_dim), keys),
         "lse_z": ((None, None, geo.tile, 1), rows),
         "kl": ((None, None, geo.tile, 1), rows),
+        "d_kl": ((None, None, geo.tile, 1), rows),
     }
     return [pl.BlockSpec(*blocks[name]) for name in names]
 
@@ -242,50 +245,66 @@ def _kl_body(geo, table, counts, refs, acc_ref):
         refs["kl"][...] = acc_ref[...]
 
 
-def _score_gradient(geo, c, refs):  # -> probs [R, block], dS [R, block] (unscaled logits)
-    _, probs = _probs(geo, c, refs)
+def _score_gradient(geo, c, refs):
+    """-> visibility [Tq, block], probs [R, block], dS [R, block] (of the unscaled logits) and
+    the student's d(index logits) [Tq, block] (None without a student)."""
+    visible, probs = _probs(geo, c, refs)
     d_probs = _dot(refs["d_out"][...], refs["v"][...], (1, 1))
-    return probs, probs * (d_probs - refs["delta"][...])
+    d_scores = probs * (d_probs - refs["delta"][...])
+    if "iq" not in refs:
+        return visible, probs, d_scores, None
+    # d KL / d z = student - teacher (the teacher sums to 1 over the query's keys), times d_kl
+    teacher = probs.reshape(geo.tile, geo.group, geo.block_size).mean(axis=1)
+    z = _dot(refs["iq"][...], refs["ik"][...], (1, 1)) * geo.index_dim**-0.5
+    student = jnp.where(visible, jnp.exp(z - refs["lse_z"][...]), 0.0)
+    return visible, probs, d_scores, (student - teacher) * refs["d_kl"][...]
 
 
-def _dq_body(geo, table, counts, refs, acc_ref):
+def _dq_body(geo, table, counts, refs, *scratch):
     b, h, t, u = (pl.program_id(axis) for axis in range(4))
     index = (b * geo.num_kv_heads + h) * geo.tiles + t
 
     @pl.when(u == 0)
     def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        for ref in scratch:
+            ref[...] = jnp.zeros_like(ref)
 
     @pl.when(u < counts[index])
     def _():
-        _, d_scores = _score_gradient(geo, table[index * geo.entries + u], refs)
+        *_, d_scores, d_z = _score_gradient(geo, table[index * geo.entries + u], refs)
         keys = refs["k"][...]
-        acc_ref[...] += _dot(d_scores.astype(keys.dtype), keys) * geo.head_dim**-0.5
+        scratch[0][...] += _dot(d_scores.astype(keys.dtype), keys) * geo.head_dim**-0.5
+        if d_z is not None:
+            scratch[1][...] += _dot(d_z, refs["ik"][...].astype(jnp.float32)) * geo.index_dim**-0.5
 
     @pl.when(u == geo.entries - 1)
     def _():
-        refs["d_q"][...] = acc_ref[...].astype(refs["d_q"].dtype)
+        for name, ref in zip(("d_q", "d_iq"), scratch):
+            refs[name][...] = ref[...].astype(refs[name].dtype)
 
 
-def _dkv_body(geo, table, counts, refs, dk_ref, dv_ref):
+def _dkv_body(geo, table, counts, refs, *scratch):
     b, h, c, w = (pl.program_id(axis) for axis in range(4))
 
     @pl.when(w == 0)
     def _():
-        dk_ref[...] = jnp.zeros_like(dk_ref)
-        dv_ref[...] = jnp.zeros_like(dv_ref)
+        for ref in scratch:
+            ref[...] = jnp.zeros_like(ref)
 
     @pl.when(w < counts[(b * geo.num_kv_heads + h) * geo.key_blocks + c])
     def _():
-        probs, d_scores = _score_gradient(geo, c, refs)
+        _, probs, d_scores, d_z = _score_gradient(geo, c, refs)
         d_out, q = refs["d_out"][...], refs["q"][...]
-        dv_ref[...] += _dot(probs.astype(d_out.dtype), d_out, (0, 0))
-        dk_ref[...] += _dot(d_scores.astype(q.dtype), q, (0, 0)) * geo.head_dim**-0.5
+        scratch[1][...] += _dot(probs.astype(d_out.dtype), d_out, (0, 0))
+        scratch[0][...] += _dot(d_scores.astype(q.dtype), q, (0, 0)) * geo.head_dim**-0.5
+        if d_z is not None:
+            index_q = refs["iq"][...].astype(jnp.float32)
+            scratch[2][...] += _dot(d_z, index_q, (0, 0)) * geo.index_dim**-0.5
 
     @pl.when(w == geo.tiles - 1)
     def _():
-        refs["d_k"][...] = dk_ref[...].astype(refs["d_k"].dtype)
-        refs["d_v"][...] = dv_ref[...].astype(refs["d_v"].dtype)
+        for name, ref in zip(("d_k", "d_v", "d_ik_heads"), scratch):
+            refs[name][...] = ref[...].astype(refs[name].dtype)
 
 
 def _f32(*shape):
@@ -293,7 +312,8 @@ def _f32(*shape):
 
 
 def window_forward(geo, interpret, keys, window):
-    """One window -> out [B, K, W·G, Dh], lse [B, K, W·G, 1], kl [B, K, W, 1] fp32 or None.
+    """One window -> out [B, K, W·G, Dh], lse [B, K, W·G, 1], and kl, lse_z [B, K, W, 1] fp32
+    (None without a student).
 
     keys: k, v [B, K, nb·block, Dh]; kblock, kseg [B, 1, nb·block] (document block and segment of
     each key slot); ik [B, nb·block, Di] or None. window: q [B, K, W·G, Dh] (rows query-major);
@@ -322,38 +342,46 @@ def window_forward(geo, interpret, keys, window):
     )
     out, lse = results[:2]
     if not with_student:
-        return out, lse, None
+        return out, lse, None, None
     ins = {name: ins[name] for name in ("sel", "qslot", "qseg", "kblock", "kseg", "q", "k")}
     ins.update(lse=lse, iq=iq, ik=keys["ik"], lse_z=results[2])
     kl_call = _launch(functools.partial(_kl_body, geo), geo, grid, order, ins,
                       {"kl": _f32(*queries)}, [pltpu.VMEM((geo.tile, 1), jnp.float32)],
                       interpret, "msa_tpu_kl")  # fmt: skip
-    return out, lse, kl_call(table, counts, *ins.values())[0]
+    return out, lse, kl_call(table, counts, *ins.values())[0], ins["lse_z"]
 
 
-def window_backward(geo, interpret, keys, window, lse, d_out, delta):
-    """One window's dq [B, K, W·G, Dh] and its share of dk, dv [B, K, nb·block, Dh] (fp32).
+def window_backward(geo, interpret, keys, window, lse, d_out, delta, student_grads):
+    """One window's dq [B, K, W·G, Dh] and its share of dk, dv [B, K, nb·block, Dh] (fp32); with
+    the student, also d index_q [B, K, W, Di] and the share of d index_k per head [B, K, nb·block,
+    Di].
 
-    lse, delta: [B, K, W·G, 1] (delta = Σ d_out·out per row); d_out: like q. Operands as in
-    `window_forward`; the student's gradients are not computed here.
+    lse, delta: [B, K, W·G, 1] (delta = Σ d_out·out per row); d_out: like q; student_grads:
+    (lse_z, d_kl) [B, K, W, 1] each, or None. Operands as in `window_forward`.
     """
-    q, sel, qslot, qseg, positions, _ = window
+    q, sel, qslot, qseg, positions, iq = window
     touched = touched_blocks(sel.transpose(0, 2, 1, 3), qslot[0, :, 0], positions, geo)
     ins = {"sel": sel, "qslot": qslot, "qseg": qseg, "q": q}
     ins |= {name: keys[name] for name in ("kblock", "kseg", "k", "v")}
     ins |= {"lse": lse, "d_out": d_out, "delta": delta}
     heads = (geo.batch, geo.num_kv_heads)
-    dq_call = _launch(
-        functools.partial(_dq_body, geo), geo, (*heads, geo.tiles, geo.entries),
-        _forward_order(geo), ins, {"d_q": _f32(*heads, geo.window * geo.group, geo.head_dim)},
-        [pltpu.VMEM((geo.rows, geo.head_dim), jnp.float32)], interpret, "msa_tpu_dq",
-    )  # fmt: skip
-    dq = dq_call(*sorted_lists(touched, geo.entries), *ins.values())[0]
-    key_rows = _f32(*heads, geo.key_blocks * geo.block_size, geo.head_dim)
-    dkv_call = _launch(
-        functools.partial(_dkv_body, geo), geo, (*heads, geo.key_blocks, geo.tiles),
-        _inverted_order(geo), ins, {"d_k": key_rows, "d_v": key_rows},
-        [pltpu.VMEM((geo.block_size, geo.head_dim), jnp.float32)] * 2, interpret, "msa_tpu_dkv",
-    )  # fmt: skip
-    dk, dv = dkv_call(*sorted_lists(touched.swapaxes(2, 3), geo.tiles), *ins.values())
-    return dq, dk, dv
+    key_slots = geo.key_blocks * geo.block_size
+    dq_outs = {"d_q": _f32(*heads, geo.window * geo.group, geo.head_dim)}
+    dq_scratch = [pltpu.VMEM((geo.rows, geo.head_dim), jnp.float32)]
+    dkv_outs = {"d_k": _f32(*heads, key_slots, geo.head_dim)}
+    dkv_outs["d_v"] = dkv_outs["d_k"]
+    dkv_scratch = [pltpu.VMEM((geo.block_size, geo.head_dim), jnp.float32)] * 2
+    if student_grads is not None:
+        ins |= {"iq": iq, "ik": keys["ik"], "lse_z": student_grads[0], "d_kl": student_grads[1]}
+        dq_outs["d_iq"] = _f32(*heads, geo.window, geo.index_dim)
+        dq_scratch.append(pltpu.VMEM((geo.tile, geo.index_dim), jnp.float32))
+        dkv_outs["d_ik_heads"] = _f32(*heads, key_slots, geo.index_dim)
+        dkv_scratch.append(pltpu.VMEM((geo.block_size, geo.index_dim), jnp.float32))
+    dq_grid, dkv_grid = (*heads, geo.tiles, geo.entries), (*heads, geo.key_blocks, geo.tiles)
+    dq_call = _launch(functools.partial(_dq_body, geo), geo, dq_grid, _forward_order(geo), ins,
+                      dq_outs, dq_scratch, interpret, "msa_tpu_dq")  # fmt: skip
+    dq = dq_call(*sorted_lists(touched, geo.entries), *ins.values())
+    dkv_call = _launch(functools.partial(_dkv_body, geo), geo, dkv_grid, _inverted_order(geo), ins,
+                       dkv_outs, dkv_scratch, interpret, "msa_tpu_dkv")  # fmt: skip
+    dkv = dkv_call(*sorted_lists(touched.swapaxes(2, 3), geo.tiles), *ins.values())
+    return (*dq, *dkv)

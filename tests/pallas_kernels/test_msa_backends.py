@@ -278,12 +278,12 @@ def test_tpu_kernels_in_the_tpu_interpreter():
 
     def values_and_grads(module, **kwargs):
         loss = loss_of(module, blocks, segments, positions, 16, weights, **kwargs)
-        return jax.value_and_grad(loss, argnums=range(3))(q, k, v, index_q, index_k)
+        return jax.value_and_grad(loss, argnums=range(5))(q, k, v, index_q, index_k)
 
     value, grads = values_and_grads(tpu, **kwargs)
     expected_value, expected_grads = values_and_grads(reference)
     np.testing.assert_allclose(value, expected_value, rtol=F32_TOLERANCE)
-    for name, g, e in zip(("q", "k", "v"), grads, expected_grads):
+    for name, g, e in zip(("q", "k", "v", "index_q", "index_k"), grads, expected_grads):
         np.testing.assert_allclose(g, e, atol=GRAD_TOLERANCE, err_msg=name)
 
 
