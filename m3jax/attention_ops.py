@@ -8,7 +8,8 @@ one field:
 - "pallas": the kernels of the machine, an error where they cannot run the layer — on GPUs MSA's
   Pallas kernels (pallas_kernels/msa/pallas.py) and cuDNN's packed flash attention for dense
   attention (pallas_kernels/attention/cudnn.py); on TPUs MSA's Mosaic TPU kernels
-  (pallas_kernels/msa/tpu.py; dense attention stays XLA's there);
+  (pallas_kernels/msa/tpu.py) and jax's splash attention with segment ids for dense attention
+  (pallas_kernels/attention/splash.py);
 - "auto" (default): "pallas" on GPUs and TPUs where the kernels apply, else "xla".
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
@@ -21,6 +22,7 @@ import jax
 
 from m3jax.config import MSAConfig
 from pallas_kernels.attention import cudnn as attention_cudnn
+from pallas_kernels.attention import splash as attention_splash
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
 from pallas_kernels.msa import pallas as msa_pallas
@@ -59,11 +61,12 @@ def dense(
             mask = document_causal_mask(segment_ids)
         return gqa_attention(q, k, v, mask[:, None, None])
     if impl in ("pallas", "auto"):
-        reason = attention_cudnn.unsupported_reason(q, k)
+        kernels = attention_splash if jax.default_backend() == "tpu" else attention_cudnn
+        reason = kernels.unsupported_reason(q, k)
         if impl == "pallas" and reason:
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
-            return attention_cudnn.dense_attention(q, k, v, segment_ids, causal=causal)
+            return kernels.dense_attention(q, k, v, segment_ids, causal=causal)
     return attention_xla.dense_attention(q, k, v, segment_ids, causal=causal)[0]
 
 
