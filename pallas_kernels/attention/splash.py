@@ -35,9 +35,12 @@ def unsupported_reason(q: jax.Array, k: jax.Array) -> str:
 def _kernel(seq: int, group: int, causal: bool, interpret: bool):
     shape = (seq, seq)
     mask = masks.CausalMask(shape) if causal else masks.FullMask(shape)
-    return splash.make_splash_mqa_single_device(
-        masks.MultiHeadMask([mask] * group), interpret=interpret
-    )
+    # The kernel holds its mask tables as arrays: made eagerly, or the first trace that builds
+    # the (cached) kernel would leak them as tracers into every later one.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mqa_single_device(
+            masks.MultiHeadMask([mask] * group), interpret=interpret
+        )
 
 
 def dense_attention(

@@ -150,6 +150,16 @@ def test_splash_attention_equals_the_xla_path_in_values_and_gradients(causal):
         np.testing.assert_allclose(g, e, atol=1e-4)
 
 
+def test_splash_kernel_built_under_one_jit_serves_another():
+    """The kernel is cached per shape; one first built while tracing must not leak tracers."""
+    q, k, v = operands(40, batch=1)
+    segments = jnp.ones((1, 40), jnp.int32)
+    attention = functools.partial(splash.dense_attention, interpret=True)
+    first = jax.jit(lambda q: attention(q, k, v, segments, causal=False))(q)
+    again = jax.jit(lambda q: attention(q, k, v, segments, causal=False) * 1.0)(q)
+    np.testing.assert_allclose(first, again)
+
+
 def test_dense_picks_splash_on_a_tpu_and_says_why_not():
     q, k, v = operands(64, head_dim=128)
     segments = jnp.ones((3, 64), jnp.int32)
