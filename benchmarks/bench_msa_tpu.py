@@ -17,13 +17,11 @@ in the same run. The last stdout line is JSON.
 import argparse
 import datetime
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.bench_msa import flops, make_inputs, msa_functions, relative
+from benchmarks.bench_msa import flops, make_inputs, median_seconds, msa_functions, relative
 from pallas_kernels.attention import splash
 from pallas_kernels.msa import tpu, xla
 
@@ -46,13 +44,7 @@ def time_variant(fn, inputs: dict, repeats: int) -> float:
     compile: splash's gradient closes over its mask tables, which the compiled call then lacks
     (jax 0.11.2: "compiled for 12 inputs but called with 7")."""
     run = jax.jit(lambda x: fn(**x))
-    jax.block_until_ready(run(inputs))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run(inputs))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return median_seconds(lambda: run(inputs), repeats)
 
 
 def check(seq: int, interpret: bool) -> dict:
