@@ -109,13 +109,18 @@ def time_variant(fn, inputs: dict, repeats: int) -> tuple[float, float]:
     compiled = jax.jit(lambda x: fn(**x)).lower(inputs).compile()
     memory = compiled.memory_analysis()
     used = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-    jax.block_until_ready(compiled(inputs))
+    return median_seconds(lambda: compiled(inputs), repeats), float(used)
+
+
+def median_seconds(call, repeats: int) -> float:
+    """Median wall time of `call()` to ready results, after one warm-up call."""
+    jax.block_until_ready(call())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(inputs))
+        jax.block_until_ready(call())
         times.append(time.perf_counter() - start)
-    return float(np.median(times)), float(used)
+    return float(np.median(times))
 
 
 def profile(fn, inputs: dict, trace_dir: str, steps: int = 2) -> None:

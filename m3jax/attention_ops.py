@@ -5,10 +5,12 @@ Every MSA backend module implements the signatures that `pallas_kernels/msa/refe
 one field:
 - "reference": the O(S²) `jnp` references (exact, readable; tests and short S);
 - "xla": query-tiled XLA with memory linear in S (pallas_kernels/*/xla.py);
-- "pallas": the GPU kernels — MSA's Pallas kernels (pallas_kernels/msa/pallas.py) and cuDNN's
-  packed flash attention for dense attention (pallas_kernels/attention/cudnn.py) — an error
-  where they cannot run the layer;
-- "auto" (default): "pallas" on GPUs where the kernels apply, else "xla".
+- "pallas": the kernels of the machine, an error where they cannot run the layer — on GPUs MSA's
+  Pallas kernels (pallas_kernels/msa/pallas.py) and cuDNN's packed flash attention for dense
+  attention (pallas_kernels/attention/cudnn.py); on TPUs MSA's Mosaic TPU kernels
+  (pallas_kernels/msa/tpu.py) and jax's splash attention with segment ids for dense attention
+  (pallas_kernels/attention/splash.py);
+- "auto" (default): "pallas" on GPUs and TPUs where the kernels apply, else "xla".
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
 head dim.
@@ -20,10 +22,12 @@ import jax
 
 from m3jax.config import MSAConfig
 from pallas_kernels.attention import cudnn as attention_cudnn
+from pallas_kernels.attention import splash as attention_splash
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
+from pallas_kernels.msa import tpu as msa_tpu
 from pallas_kernels.msa import xla as msa_xla
 from pallas_kernels.msa.reference import Student
 
@@ -36,12 +40,14 @@ def msa_backend(
     """The module that runs an MSA layer with these operands under `attention_impl=impl`."""
     if impl in ("reference", "xla"):
         return MSA_BACKENDS[impl]
-    if impl == "auto" and jax.default_backend() != "gpu":
+    platform = jax.default_backend()
+    if impl == "auto" and platform not in ("gpu", "tpu"):
         return msa_xla
-    reason = msa_pallas.unsupported_reason(q, k, index_q, block_size=msa.block_size)
+    kernels = msa_tpu if platform == "tpu" else msa_pallas
+    reason = kernels.unsupported_reason(q, k, index_q, block_size=msa.block_size)
     if impl == "pallas" and reason:
         raise ValueError(f"attention_impl='pallas' cannot run this MSA layer: {reason}")
-    return msa_xla if reason else msa_pallas
+    return msa_xla if reason else kernels
 
 
 def dense(
@@ -55,11 +61,12 @@ def dense(
             mask = document_causal_mask(segment_ids)
         return gqa_attention(q, k, v, mask[:, None, None])
     if impl in ("pallas", "auto"):
-        reason = attention_cudnn.unsupported_reason(q, k)
+        kernels = attention_splash if jax.default_backend() == "tpu" else attention_cudnn
+        reason = kernels.unsupported_reason(q, k)
         if impl == "pallas" and reason:
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
-            return attention_cudnn.dense_attention(q, k, v, segment_ids, causal=causal)
+            return kernels.dense_attention(q, k, v, segment_ids, causal=causal)
     return attention_xla.dense_attention(q, k, v, segment_ids, causal=causal)[0]
 
 

@@ -13,7 +13,12 @@ DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe_dispatch.py
-GROUPED_MATMUL_IMPLS = ("auto", "xla", "mosaic_gpu")  # m3jax/moe_dispatch.grouped_matmul_impl
+GROUPED_MATMUL_IMPLS = (
+    "auto",
+    "xla",
+    "mosaic_gpu",
+    "megablox",
+)  # m3jax/moe_dispatch.grouped_matmul_impl
 EP_EXCHANGES = ("padded", "ragged")  # m3jax/expert_parallel.py, dropless dispatch
 
 
@@ -61,7 +66,8 @@ class MoEConfig:
     # capacity: each expert takes at most ⌈capacity_factor · tokens · k / E⌉ rows per device.
     capacity_factor: float = 1.25
     # dropless: the grouped matmul's implementation. auto = the Pallas Mosaic GPU kernel on GPUs
-    # (bf16/f16, widths multiples of 128), else XLA's ragged_dot.
+    # (bf16/f16, widths multiples of 128), megablox on TPUs (bf16/f32, widths multiples of
+    # 128), else XLA's ragged_dot.
     grouped_matmul: str = "auto"
     # dropless with mesh.expert > 1: how tokens travel. padded = each token once to each device
     # owning some of its experts, in fixed-size all_to_all blocks of exchange_factor × the tokens a

@@ -5,8 +5,8 @@ Three modes (`model.moe.dispatch`), equal wherever capacity drops nothing:
   the reference the others are tested against.
 - dropless: the N·k (token, expert) pairs become rows, stably sorted by expert (so each expert's
   rows are contiguous and in token order) and multiplied by a grouped matmul
-  (`pallas_kernels/moe`: XLA's ragged_dot, or on GPUs a Pallas Mosaic GPU kernel over a
-  tile-aligned copy of the rows, `moe.grouped_matmul`). Exact, and only the chosen work.
+  (`pallas_kernels/moe`: XLA's ragged_dot, on GPUs a Pallas Mosaic GPU kernel over a
+  tile-aligned copy of the rows, on TPUs jax's megablox kernel; `moe.grouped_matmul`). Exact, and only the chosen work.
 - capacity: the same sorted rows, but each expert takes at most C = ⌈capacity_factor · N·k / E⌉ of
   them, earliest tokens first, into fixed [E, C, D] buffers that one batched einsum multiplies.
   Rows past C are dropped (their expert's contribution is 0) and counted.
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import mosaic_gpu
+from pallas_kernels.moe import megablox, mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul
 from pallas_kernels.moe.tiles import (
     from_tiles,
@@ -38,6 +38,9 @@ from pallas_kernels.moe.tiles import (
 )
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden, elementwise
+
+
+KERNELS = {"mosaic_gpu": mosaic_gpu, "megablox": megablox}  # moe.grouped_matmul -> its module
 
 
 class ExpertWeights(NamedTuple):
@@ -101,12 +104,16 @@ expand_tokens.defvjp(_expand_tokens_forward, _expand_tokens_backward)
 
 
 def grouped_matmul_impl(requested: str, dtype, dim: int, expert_dim: int) -> str:
-    """`moe.grouped_matmul` made concrete: "auto" is the Mosaic GPU kernel where it applies."""
-    reason = mosaic_gpu.unsupported_reason(dtype, dim, expert_dim)
+    """`moe.grouped_matmul` made concrete: "auto" is the Mosaic GPU kernel on GPUs and megablox
+    on TPUs, where they apply."""
+    kernel = {"gpu": "mosaic_gpu", "tpu": "megablox"}.get(jax.default_backend())
     if requested == "auto":
-        return "mosaic_gpu" if jax.default_backend() == "gpu" and not reason else "xla"
-    if requested == "mosaic_gpu" and reason:
-        raise ValueError(f"moe.grouped_matmul='mosaic_gpu' can't run this layer: {reason}")
+        requested = kernel or "xla"
+        if kernel and KERNELS[kernel].unsupported_reason(dtype, dim, expert_dim):
+            return "xla"
+    reason = requested in KERNELS and KERNELS[requested].unsupported_reason(dtype, dim, expert_dim)
+    if reason:
+        raise ValueError(f"moe.grouped_matmul={requested!r} can't run this layer: {reason}")
     return requested
 
 
@@ -132,7 +139,8 @@ def grouped_ffn(
         return from_tiles(_tiled_ffn(to_tiles(x, layout), layout, experts, activation), layout)
     if order is not None:
         x = permute_rows(x, order.source, order.position)
-    matmul = functools.partial(grouped_matmul, group_sizes=group_sizes)
+    product = megablox.grouped_matmul if impl == "megablox" else grouped_matmul
+    matmul = functools.partial(product, group_sizes=group_sizes)
     y = matmul(activation(matmul(x, experts.gate), matmul(x, experts.up)), experts.down)
     return y if order is None else permute_rows(y, order.position, order.source)
 

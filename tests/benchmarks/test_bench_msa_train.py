@@ -1,10 +1,10 @@
 """The GPU benchmarks' own logic, on CPU: bench_msa's kernel configs and phase filter, bench_train's
-synthetic packed rows."""
+synthetic packed rows; bench_msa_tpu's refusal without a TPU."""
 
 import numpy as np
 import pytest
 
-from benchmarks import bench_msa, bench_train
+from benchmarks import bench_msa, bench_msa_tpu, bench_train
 
 
 def test_parse_tiling_sets_fields_of_each_part():
@@ -47,3 +47,10 @@ def test_synthetic_batch_packs_documents_with_positions_from_zero():
         assert (np.diff(row_positions)[inside[1:]] == 1).all()
     assert documents >= 9  # rows hold several documents (≈ 4096 / 700 each on average)
     assert (np.asarray(batch["targets"])[:, :-1] == np.asarray(batch["tokens"])[:, 1:]).all()
+
+
+def test_tpu_bench_refuses_to_time_without_a_tpu(monkeypatch):
+    """bench_msa_tpu on a CPU machine: an error naming the backend unless --interpret."""
+    monkeypatch.setattr("sys.argv", ["bench_msa_tpu", "--lengths", "256"])
+    with pytest.raises(SystemExit, match="needs a TPU"):
+        bench_msa_tpu.main()

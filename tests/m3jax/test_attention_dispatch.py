@@ -16,6 +16,7 @@ from m3jax.config import MSAConfig
 from m3jax.model import functional
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
+from pallas_kernels.msa import tpu as msa_tpu
 from pallas_kernels.msa import xla as msa_xla
 from tiny import tiny_run
 
@@ -44,6 +45,20 @@ def test_auto_takes_the_kernels_on_a_gpu_where_they_apply():
             attention_ops.msa_backend("pallas", MSA, f32, k, index_q)
     assert attention_ops.msa_backend("xla", MSA, q, k, index_q) is msa_xla
     assert attention_ops.msa_backend("reference", MSA, q, k, index_q) is msa_reference
+
+
+def test_auto_takes_the_tpu_kernels_on_a_tpu_where_they_apply():
+    wide = MSAConfig(index_heads=2, index_head_dim=128, block_size=128, topk_blocks=2)
+    q, k, _, index_q, _ = operands()
+    q, k, index_q = (jnp.pad(x, [(0, 0)] * 3 + [(0, 96)]) for x in (q, k, index_q))  # Dh 128
+    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "tpu"):
+        assert attention_ops.msa_backend("auto", wide, q, k, index_q) is msa_tpu
+        assert attention_ops.msa_backend("pallas", wide, q, k, index_q) is msa_tpu
+        narrow = operands()  # head_dim 32: not lane-dense
+        assert attention_ops.msa_backend("auto", MSA, narrow[0], narrow[1], narrow[3]) is msa_xla
+        with pytest.raises(ValueError, match="attention_impl='pallas'.*head_dim=32"):
+            attention_ops.msa_backend("pallas", MSA, narrow[0], narrow[1], narrow[3])
+        assert attention_ops.msa_backend("xla", wide, q, k, index_q) is msa_xla
 
 
 def test_pallas_refuses_a_block_that_does_not_split():

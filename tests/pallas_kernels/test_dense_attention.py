@@ -1,8 +1,10 @@
 """Dense attention over packed segments: the query-tiled XLA path (causal, and bidirectional for the
 ViT) against the reference's masks, cuDNN's packed layout of a row's segments, and which
 implementation `attention_ops.dense` picks. cuDNN itself runs only on a GPU: benchmarks/
-bench_attention.py checks it against the XLA path there, in values and gradients."""
+bench_attention.py checks it against the XLA path there, in values and gradients. TPU splash
+attention runs here in Pallas' interpreter."""
 
+import functools
 from unittest import mock
 
 import jax
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from m3jax import attention_ops
-from pallas_kernels.attention import cudnn, xla
+from pallas_kernels.attention import cudnn, splash, xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
 
 
@@ -126,3 +128,46 @@ def test_dense_runs_the_xla_path_on_cpu_and_the_reference_when_asked():
         np.testing.assert_allclose(auto, reference, rtol=2e-5, atol=2e-6)
     causal = attention_ops.dense("auto", q, k, v, segments)
     assert np.abs(np.asarray(causal - auto)).max() > 1e-3  # the two masks differ
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_splash_attention_equals_the_xla_path_in_values_and_gradients(causal):
+    """Splash (interpreted) on packed rows of random documents, S = 77 (not a whole block)."""
+    q, k, v = operands(77, batch=2)
+    segments = jnp.asarray(packed_segments(np.random.default_rng(1), 2, 77, 4))
+    weights = jax.random.normal(jax.random.key(3), q.shape)
+
+    def values_and_grads(attention):
+        def loss(q, k, v):
+            return (attention(q, k, v, segments, causal=causal) * weights).sum()
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    value, grads = values_and_grads(functools.partial(splash.dense_attention, interpret=True))
+    expected, expected_grads = values_and_grads(lambda *a, **c: xla.dense_attention(*a, **c)[0])
+    np.testing.assert_allclose(value, expected, rtol=1e-5)
+    for g, e in zip(grads, expected_grads):
+        np.testing.assert_allclose(g, e, atol=1e-4)
+
+
+def test_splash_kernel_built_under_one_jit_serves_another():
+    """The kernel is cached per shape; one first built while tracing must not leak tracers."""
+    q, k, v = operands(40, batch=1)
+    segments = jnp.ones((1, 40), jnp.int32)
+    attention = functools.partial(splash.dense_attention, interpret=True)
+    first = jax.jit(lambda q: attention(q, k, v, segments, causal=False))(q)
+    again = jax.jit(lambda q: attention(q, k, v, segments, causal=False) * 1.0)(q)
+    np.testing.assert_allclose(first, again)
+
+
+def test_dense_picks_splash_on_a_tpu_and_says_why_not():
+    q, k, v = operands(64, head_dim=128)
+    segments = jnp.ones((3, 64), jnp.int32)
+    sentinel = jnp.zeros(q.shape)
+    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "tpu"), \
+            mock.patch.object(splash, "dense_attention", lambda *a, **c: sentinel):  # fmt: skip
+        assert attention_ops.dense("auto", q, k, v, segments) is sentinel
+        narrow = operands(64)  # head_dim 16
+        with pytest.raises(ValueError, match="head_dim=16"):
+            attention_ops.dense("pallas", *narrow, segments)
+        assert attention_ops.dense("auto", *narrow, segments).shape == narrow[0].shape  # XLA

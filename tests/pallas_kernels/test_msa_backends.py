@@ -1,5 +1,7 @@
-"""Every MSA backend against the O(S²) reference: the same tests for the XLA path and the Pallas
-kernels (run by Pallas' interpreter on CPU, at sizes the GPU kernels take: powers of two ≥ 16).
+"""Every MSA backend against the O(S²) reference: the same tests for the XLA path, the GPU Pallas
+kernels (run by Pallas' interpreter on CPU, at sizes the GPU kernels take: powers of two ≥ 16) and
+the TPU kernels (Pallas' generic interpreter here; the TPU interpreter, which simulates SMEM, VMEM
+and the DMAs of the scalar-prefetch table, in `test_tpu_kernels_in_the_tpu_interpreter`).
 
 Random inputs (never zeros), lengths that are not multiples of the block size, batch > 1, packed
 documents (one starting mid-block) and right padding, queries with fewer than k blocks, values and
@@ -16,7 +18,7 @@ import pytest
 
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
-from pallas_kernels.msa import pallas, reference, xla
+from pallas_kernels.msa import pallas, reference, tpu, tpu_kernels, xla
 from pallas_kernels.msa.chunks import Tiling
 from pallas_kernels.msa.selection_kernel import Tiling as SelectionTiling
 
@@ -29,11 +31,24 @@ SMALL = pallas.Config(
     backward=Tiling(rows=16, segment_chunks=3, key_split=2),
     selection=SelectionTiling(rows=16),
 )
+# TPU: tiles of 4 queries × 4 heads, tables of at most 5 tiles (several windows per row).
+TPU_SMALL = tpu.Config(rows=16, table_entries=100)
 BACKENDS = {
     "xla": (xla, {}),
     "pallas": (pallas, {"config": SMALL, "interpret": True}),
+    "tpu": (tpu, {"config": TPU_SMALL, "interpret": True}),
 }
 SETTINGS = [(16, 2, 1), (16, 3, 2), (32, 2, 1)]  # (block_size, topk_blocks, local_blocks)
+# The TPU backend where a test adds little for it (its selection is the XLA path's) and costs
+# seconds of interpreter compile: under `slow`.
+BUT_TPU_SLOW = [pytest.param(b, marks=pytest.mark.slow) if b == "tpu" else b for b in BACKENDS]
+# (backend, *setting) for the first two settings, the TPU backend's second one under `slow`.
+TWO_SETTINGS = [
+    pytest.param(b, *setting, marks=pytest.mark.slow) if (b, setting) == ("tpu", SETTINGS[1])
+    else (b, *setting)
+    for b in BACKENDS
+    for setting in SETTINGS[:2]
+]  # fmt: skip
 
 
 def inputs(seq=75, batch=2, heads=8, kv_heads=2, head_dim=16, index_dim=16, seed=0):
@@ -64,7 +79,7 @@ def select(x, block_size, topk, local):
                                 topk_blocks=topk, local_blocks=local)  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BUT_TPU_SLOW)
 @pytest.mark.parametrize("block_size, topk, local", SETTINGS)
 def test_top_blocks_matches_reference(backend, block_size, topk, local):
     module, kwargs = BACKENDS[backend]
@@ -78,8 +93,7 @@ def test_top_blocks_matches_reference(backend, block_size, topk, local):
     assert (np.asarray(got) == -1).any()  # early queries really have fewer than k blocks
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("block_size, topk, local", SETTINGS[:2])
+@pytest.mark.parametrize("backend, block_size, topk, local", TWO_SETTINGS)
 def test_sparse_attention_and_kl_match_reference(backend, block_size, topk, local):
     module, kwargs = BACKENDS[backend]
     q, k, v, index_q, index_k, segments, positions = x = inputs()
@@ -109,8 +123,7 @@ def loss_of(module, blocks, segments, positions, block_size, weights, **kwargs):
     return loss
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("block_size, topk, local", SETTINGS[:2])
+@pytest.mark.parametrize("backend, block_size, topk, local", TWO_SETTINGS)
 def test_sparse_attention_gradients_match_reference(backend, block_size, topk, local):
     module, kwargs = BACKENDS[backend]
     q, k, v, index_q, index_k, segments, positions = x = inputs()
@@ -163,8 +176,11 @@ def test_kl_gradient_never_reaches_the_attention_inputs(backend):
         assert not jnp.any(g)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("offset", [37, 32])
+@pytest.mark.parametrize(
+    "backend, offset",
+    [(b, o) for b in BACKENDS for o in (37, 32) if (b, o) != ("tpu", 32)]
+    + [pytest.param("tpu", 32, marks=pytest.mark.slow)],
+)
 def test_document_packed_at_an_offset_equals_the_document_alone(backend, offset):
     """Blocks count from the document's first token: a document packed after `offset` slots of
     another gets the same selection, output and KL as alone in a row (issue: packed documents
@@ -192,7 +208,7 @@ def test_document_packed_at_an_offset_equals_the_document_alone(backend, offset)
     np.testing.assert_allclose(tail(packed[2]), alone[2], atol=F32_TOLERANCE)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BUT_TPU_SLOW)
 def test_sparse_equals_dense_when_every_block_is_selected(backend):
     module, kwargs = BACKENDS[backend]
     q, k, v, index_q, index_k, segments, positions = inputs(seq=60)
@@ -253,6 +269,46 @@ def test_kernels_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="block_size=15"):
         pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=15, config=SMALL,
                                 interpret=True)  # fmt: skip
+
+
+def test_tpu_kernels_in_the_tpu_interpreter():
+    """Pallas' TPU interpreter simulates SMEM, VMEM and every DMA (out-of-bounds reads raise):
+    the scalar-prefetch tables and the blocks their data-dependent index_maps fetch run as on a
+    TPU, forward and backward. A second document starts mid-block (slot 37), padding follows;
+    batch 2."""
+    q, k, v, index_q, index_k, segments, positions = x = inputs(seq=45, heads=4, kv_heads=1)
+    blocks = select(x, 16, 2, 1)
+    weights = jax.random.normal(jax.random.key(9), q.shape)
+    kwargs = {"config": tpu.Config(rows=64), "interpret": None}  # None: the TPU interpreter
+
+    def values_and_grads(module, **kwargs):
+        loss = loss_of(module, blocks, segments, positions, 16, weights, **kwargs)
+        return jax.value_and_grad(loss, argnums=range(5))(q, k, v, index_q, index_k)
+
+    value, grads = values_and_grads(tpu, **kwargs)
+    expected_value, expected_grads = values_and_grads(reference)
+    np.testing.assert_allclose(value, expected_value, rtol=F32_TOLERANCE)
+    for name, g, e in zip(("q", "k", "v", "index_q", "index_k"), grads, expected_grads):
+        np.testing.assert_allclose(g, e, atol=GRAD_TOLERANCE, err_msg=name)
+
+
+def test_tpu_table_lists_exactly_the_selected_blocks_of_aligned_documents():
+    """One document per row from slot 0: a tile visits the union of its queries' selections and
+    nothing else (so only those K/V blocks are DMA'd); after the count the last block repeats."""
+    q, k, v, index_q, index_k, segments, positions = x = inputs(seq=80, batch=1)
+    segments, positions = jnp.ones_like(segments), jnp.arange(80)[None]
+    blocks = select((q, k, v, index_q, index_k, segments, positions), 16, 2, 1)
+    geo = tpu._geometry(q, k, 16, 2, 16, tpu.Config(rows=16))  # 4 queries a tile, 20 tiles
+    touched = tpu_kernels.touched_blocks(blocks, jnp.arange(80), positions, geo)
+    table, counts = tpu_kernels.sorted_lists(touched, geo.entries)
+    table = np.asarray(table).reshape(1, 2, 20, geo.entries)
+    for head in range(2):
+        for tile in range(20):
+            chosen = np.asarray(blocks[0, tile * 4 : tile * 4 + 4, head]).ravel()
+            wanted = sorted(set(chosen[chosen >= 0].tolist()))
+            count = int(counts.reshape(1, 2, 20)[0, head, tile])
+            assert table[0, head, tile, :count].tolist() == wanted
+            assert (table[0, head, tile, count:] == wanted[-1]).all()
 
 
 @pytest.mark.parametrize("tile", [5, 16, 64])
