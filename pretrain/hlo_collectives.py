@@ -1,0 +1,107 @@
+"""Bytes moved by the collectives of a compiled (SPMD-partitioned) XLA program, from its HLO text.
+
+Each collective counts the size of its full (unsharded) side on one device: the result of an
+all-gather, all-reduce, all-to-all or collective-permute, the operand of a reduce-scatter. Work in
+a `while` counts its known trip count times (layer scans); of a `conditional`'s branches the
+cheapest counts, since one runs per call and the expert-parallel exchange's worst-case branch is the
+rare one (m3jax/expert_parallel.py). These are bytes per device per step, not wire traffic: a ring
+all-gather of B bytes over n devices sends (n - 1)/n · B from each.
+"""
+
+import collections
+import re
+
+import numpy as np
+
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
+_OPERAND_SIDE = ("reduce-scatter",)
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.+?) ([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+_CALLED = re.compile(r"\b(?:body|to_apply|calls)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
+                       r"false_computation=%([\w.\-]+)")  # fmt: skip
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """{collective op: bytes per device per run of the program's ENTRY computation}."""
+    computations, entry = _parse(hlo_text)
+    memo: dict[str, collections.Counter] = {}
+
+    def total(name: str) -> collections.Counter:
+        if name not in memo:
+            counts = collections.Counter()
+            for op, size, called, branches, trips in computations.get(name, ()):
+                if op in COLLECTIVES:
+                    counts[op] += size
+                for callee in called:
+                    counts.update({k: v * trips for k, v in total(callee).items()})
+                if branches:
+                    counts.update(min((total(b) for b in branches), key=lambda c: c.total()))
+            memo[name] = counts
+        return memo[name]
+
+    return dict(total(entry))
+
+
+def _parse(hlo_text: str):
+    """{computation: [(op, bytes, called computations, conditional branches, trip count)]}."""
+    computations, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+            entry = header.group(1) if line.startswith("ENTRY") else entry
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if current is None or not instruction:
+            continue
+        result, op, rest = instruction.groups()
+        operands = rest.split("),", 1)[0]
+        size = _array_bytes(operands if op in _OPERAND_SIDE else result)
+        trips = _TRIP_COUNT.search(line)
+        current.append((op, size, _CALLED.findall(line), _branches(line), int(trips[1]) if trips
+                        else 1))  # fmt: skip
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _branches(line: str) -> list[str]:
+    found = _BRANCHES.search(line)
+    if not found:
+        return []
+    if found.group(1) is not None:
+        return [name.strip().lstrip("%") for name in found.group(1).split(",")]
+    return [found.group(2), found.group(3)]
+
+
+def _array_bytes(types: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(types):
+        itemsize = 1 if dtype == "pred" else _itemsize(dtype)
+        total += itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype == "bf16":
+        return 2
+    if dtype.startswith("f8"):
+        return 1
+    return int(dtype[1:]) // 8
+
+
+def summary(counts: dict[str, int]) -> str:
+    """One line: op name and GB, largest first."""
+    parts = [f"{op} {size / 1e9:.4g}" for op, size in sorted(counts.items(), key=lambda x: -x[1])]
+    return ", ".join(parts) or "none"
