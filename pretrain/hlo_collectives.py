@@ -24,11 +24,15 @@ COLLECTIVES = (
 _OPERAND_SIDE = ("reduce-scatter",)
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.+?) ([\w\-]+)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+_NAME = re.compile(r"%([\w.\-]+)")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 _CALLED = re.compile(r"\b(?:body|to_apply|calls)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
                        r"false_computation=%([\w.\-]+)")  # fmt: skip
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
+_LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -55,7 +59,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
 def _parse(hlo_text: str):
     """{computation: [(op, bytes, called computations, conditional branches, trip count)]}."""
-    computations, entry, current = {}, None, None
+    computations, entry, current, sizes = {}, None, None, {}
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
@@ -65,15 +69,32 @@ def _parse(hlo_text: str):
         instruction = _INSTRUCTION.match(line)
         if current is None or not instruction:
             continue
-        result, op, rest = instruction.groups()
-        operands = rest.split("),", 1)[0]
-        size = _array_bytes(operands if op in _OPERAND_SIDE else result)
+        name, result, op, rest = instruction.groups()
+        sizes[name] = _array_bytes(result)
+        if op in COLLECTIVES and _group_size(line) == 1:
+            continue  # over size-1 mesh axes only: moves nothing
+        if op in _OPERAND_SIDE:  # operands are named, their types are where they are defined
+            size = sum(sizes.get(operand, 0) for operand in _NAME.findall(rest.split(")", 1)[0]))
+        else:
+            size = sizes[name]
         trips = _TRIP_COUNT.search(line)
         current.append((op, size, _CALLED.findall(line), _branches(line), int(trips[1]) if trips
                         else 1))  # fmt: skip
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
+
+
+def _group_size(line: str) -> int | None:
+    """Devices per replica group of a collective (None where the text does not say)."""
+    if found := _MESH_GROUPS.search(line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", found.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", found.group(2))]))
+    if found := _IOTA_GROUPS.search(line):
+        return int(found.group(1))
+    if found := _LISTED_GROUPS.search(line):
+        return len(found.group(1).split(","))
+    return None
 
 
 def _branches(line: str) -> list[str]:

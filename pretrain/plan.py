@@ -48,6 +48,7 @@ class Plan:
     collectives: dict[str, int]  # op -> bytes per step (hlo_collectives)
     flops_per_token: float  # training (forward + backward) FLOPs per token
     compiled_layers: tuple[int, int] | None
+    notes: tuple[str, ...] = ()  # what was planned differently from the config, and why
 
     @property
     def total(self) -> int:
@@ -67,6 +68,7 @@ class Plan:
             f"  collectives   {hlo_collectives.summary(self.collectives)} GB per step",
             f"  training FLOPs per token {self.flops_per_token:.4g}",
         ]
+        rows += [f"  ({note})" for note in self.notes]
         if self.compiled_layers:
             low, high = self.compiled_layers
             rows.append(
@@ -81,6 +83,7 @@ class Plan:
 
 def plan(run: RunConfig, layers: int | None = None) -> Plan:
     """Plans `run` on its mesh (`run.mesh`) over this process's devices (fake CPU ones)."""
+    run, notes = cpu_stand_ins(run)
     config = run.model
     session = TrainingSession(functional(config), run, checkpoints=None, report=lambda _: None)
     state, shardings = session.abstract_state, session.state_shardings
@@ -106,7 +109,22 @@ def plan(run: RunConfig, layers: int | None = None) -> Plan:
         collectives=collectives,
         flops_per_token=flops,
         compiled_layers=compiled,
+        notes=tuple(notes),
     )
+
+
+def cpu_stand_ins(run: RunConfig) -> tuple[RunConfig, list[str]]:
+    """`run` with what XLA:CPU would plan misleadingly replaced, and a note for each."""
+    moe = run.model.moe
+    if moe.dispatch != "dropless" or "sparse" not in run.model.mlp_layer_types:
+        return run, []
+    # XLA:CPU expands ragged_dot into E masked dense products ([E, rows, D] temporaries)
+    moe = dataclasses.replace(moe, dispatch="capacity", capacity_factor=moe.exchange_factor)
+    note = (
+        f"dropless MoE planned as capacity buffers of factor {moe.capacity_factor} "
+        "(moe.exchange_factor): XLA:CPU expands ragged_dot into E dense masked products"
+    )
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, moe=moe)), [note]
 
 
 def compile_step(session: TrainingSession) -> tuple[int, dict[str, int]]:
