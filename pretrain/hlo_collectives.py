@@ -33,28 +33,42 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%([\w.
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
     """{collective op: bytes per device per run of the program's ENTRY computation}."""
+    counts = collections.Counter()
+    for op, size, _ in contributions(hlo_text):
+        counts[op] += size
+    return dict(counts)
+
+
+def contributions(hlo_text: str) -> list[tuple[str, int, str]]:
+    """(op, bytes per run, "shape  jax op name") of every collective, loop trips included."""
     computations, entry = _parse(hlo_text)
-    memo: dict[str, collections.Counter] = {}
+    found = []
 
-    def total(name: str) -> collections.Counter:
-        if name not in memo:
-            counts = collections.Counter()
-            for op, size, called, branches, trips in computations.get(name, ()):
-                if op in COLLECTIVES:
-                    counts[op] += size
-                for callee in called:
-                    counts.update({k: v * trips for k, v in total(callee).items()})
-                if branches:
-                    counts.update(min((total(b) for b in branches), key=lambda c: c.total()))
-            memo[name] = counts
-        return memo[name]
+    def walk(name: str, trips: int) -> None:
+        for op, size, label, called, branches, inner_trips in computations.get(name, ()):
+            if op in COLLECTIVES:
+                found.append((op, size * trips, label))
+            for callee in called:
+                walk(callee, trips * inner_trips)
+            if branches:
+                walk(min(branches, key=lambda b: _branch_bytes(computations, b)), trips)
 
-    return dict(total(entry))
+    walk(entry, 1)
+    return found
+
+
+def _branch_bytes(computations: dict, name: str) -> int:
+    return sum(
+        size * trips
+        for op, size, _, called, _, trips in computations.get(name, ())
+        if op in COLLECTIVES
+    ) + sum(_branch_bytes(computations, c) for item in computations.get(name, ()) for c in item[3])
 
 
 def _parse(hlo_text: str):
@@ -78,8 +92,10 @@ def _parse(hlo_text: str):
         else:
             size = sizes[name]
         trips = _TRIP_COUNT.search(line)
-        current.append((op, size, _CALLED.findall(line), _branches(line), int(trips[1]) if trips
-                        else 1))  # fmt: skip
+        where = _OP_NAME.search(line)
+        label = f"{result.split('{')[0]}  {where[1] if where else ''}"
+        trips = int(trips[1]) if trips else 1
+        current.append((op, size, label, _CALLED.findall(line), _branches(line), trips))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
@@ -120,6 +136,12 @@ def _itemsize(dtype: str) -> int:
     if dtype.startswith("f8"):
         return 1
     return int(dtype[1:]) // 8
+
+
+def largest(hlo_text: str, count: int = 10) -> list[str]:
+    """The `count` largest collectives: "op GB shape  jax op name" (where the bytes go)."""
+    ranked = sorted(contributions(hlo_text), key=lambda c: -c[1])[:count]
+    return [f"{op} {size / 1e9:.4g} GB {label}" for op, size, label in ranked]
 
 
 def summary(counts: dict[str, int]) -> str:

@@ -155,11 +155,12 @@ def compile_step(session: TrainingSession) -> tuple[int, dict[str, int]]:
 def _grown_by_layers(run: RunConfig, layers: int) -> tuple[int, dict[str, int]]:
     """Temporaries and collectives of all layers, from compiling `layers` and `layers` + 1."""
     config = run.model
-    kinds = set(zip(config.layer_types[layers:], config.mlp_layer_types[layers:]))
-    if layers < 1 or len(kinds) > 1:
+    # from layer L - 2 on one kind: both compiles scan >= 2 of it (a scan of 1 plans differently)
+    kinds = set(zip(config.layer_types[layers - 2 :], config.mlp_layer_types[layers - 2 :]))
+    if layers < 2 or len(kinds) > 1:
         raise ValueError(
-            f"--layers {layers}: layers {layers}.. of the config must all be of one kind to grow "
-            f"linearly, found {sorted(kinds)} (plan more layers)"
+            f"--layers {layers}: layers {layers - 2}.. of the config must all be of one kind to "
+            f"grow linearly, found {sorted(kinds)} (plan more layers)"
         )
     low, high = (compile_step(_session(run, n)) for n in (layers, layers + 1))
     extra = config.num_layers - layers - 1
