@@ -82,6 +82,17 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(dict(RULES)["batch"], dict(RULES)["seq"]))
 
 
+def constrain_activations(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """x [B, S, ...] laid out like the batch (rows over data, fsdp, expert; sequence over seq;
+    the rest whole), at a block boundary. GSPMD left alone may carry a layer scan's activations
+    (and their cotangents) sharded like the weights instead, and then regather them whole.
+    mesh None: one device, nothing to say."""
+    if mesh is None:
+        return x
+    spec = partition_spec(("batch", "seq") + (None,) * (x.ndim - 2), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def bytes_per_device(shapes_tree, shardings_tree) -> int:
     """Bytes each device holds of a pytree of arrays (or ShapeDtypeStructs) under its shardings
     (NamedShardings on a Mesh or an AbstractMesh: a plan needs no devices)."""

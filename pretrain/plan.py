@@ -49,6 +49,7 @@ class Plan:
     flops_per_token: float  # training (forward + backward) FLOPs per token
     compiled_layers: tuple[int, int] | None
     notes: tuple[str, ...] = ()  # what was planned differently from the config, and why
+    largest: tuple[str, ...] = ()  # the largest collectives of the (last) compiled program
 
     @property
     def total(self) -> int:
@@ -68,6 +69,7 @@ class Plan:
             f"  collectives   {hlo_collectives.summary(self.collectives)} GB per step",
             f"  training FLOPs per token {self.flops_per_token:.4g}",
         ]
+        rows += [f"    {line}" for line in self.largest]
         rows += [f"  ({note})" for note in self.notes]
         if self.compiled_layers:
             low, high = self.compiled_layers
@@ -92,10 +94,10 @@ def plan(run: RunConfig, layers: int | None = None) -> Plan:
         for part in ("params", "opt_state", "buffers")
     }
     if layers is None or layers >= config.num_layers:
-        temporaries, collectives = compile_step(session)
+        temporaries, collectives, largest = compile_step(session)
         compiled = None
     else:
-        temporaries, collectives = _grown_by_layers(run, layers)
+        temporaries, collectives, largest = _grown_by_layers(run, layers)
         compiled = (layers, layers + 1)
     flops = TRAINING_PER_FORWARD * cost_model.forward_flops_per_token(config, run.data.seq_len)
     return Plan(
@@ -110,6 +112,7 @@ def plan(run: RunConfig, layers: int | None = None) -> Plan:
         flops_per_token=flops,
         compiled_layers=compiled,
         notes=tuple(notes),
+        largest=tuple(largest),
     )
 
 
@@ -127,8 +130,9 @@ def cpu_stand_ins(run: RunConfig) -> tuple[RunConfig, list[str]]:
     return dataclasses.replace(run, model=dataclasses.replace(run.model, moe=moe)), [note]
 
 
-def compile_step(session: TrainingSession) -> tuple[int, dict[str, int]]:
-    """(temp bytes per device, collective bytes per step) of the session's compiled step."""
+def compile_step(session: TrainingSession) -> tuple[int, dict[str, int], list[str]]:
+    """(temp bytes per device, collective bytes per step, the largest collectives) of the
+    session's compiled step."""
     run = session.run
     shape = (run.data.batch_size, run.data.seq_len)
     batch = {
@@ -149,10 +153,15 @@ def compile_step(session: TrainingSession) -> tuple[int, dict[str, int]]:
     # the session's own jitted step (shardings, donation): what m3-train compiles
     compiled = session._step.lower(state, batch, session.forward_mode(1)).compile()
     memory = compiled.memory_analysis()
-    return memory.temp_size_in_bytes, hlo_collectives.collective_bytes(compiled.as_text())
+    hlo = compiled.as_text()
+    return (
+        memory.temp_size_in_bytes,
+        hlo_collectives.collective_bytes(hlo),
+        hlo_collectives.largest(hlo, 5),
+    )
 
 
-def _grown_by_layers(run: RunConfig, layers: int) -> tuple[int, dict[str, int]]:
+def _grown_by_layers(run: RunConfig, layers: int) -> tuple[int, dict[str, int], list[str]]:
     """Temporaries and collectives of all layers, from compiling `layers` and `layers` + 1."""
     config = run.model
     # from layer L - 2 on one kind: both compiles scan >= 2 of it (a scan of 1 plans differently)
@@ -169,7 +178,7 @@ def _grown_by_layers(run: RunConfig, layers: int) -> tuple[int, dict[str, int]]:
     collectives = {
         op: high[1].get(op, 0) + extra * (high[1].get(op, 0) - low[1].get(op, 0)) for op in ops
     }
-    return temporaries, collectives
+    return temporaries, collectives, high[2]
 
 
 def _session(run: RunConfig, layers: int) -> TrainingSession:
