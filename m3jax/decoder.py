@@ -36,7 +36,9 @@ class DecoderLayer(nnx.Module):
     ):
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_norm = RMSNorm(dim, eps)
-        self.attention = Attention(config, sparse=attention_type == "minimax_m3_sparse", rngs=rngs)
+        self.attention = Attention(
+            config, sparse=attention_type == "minimax_m3_sparse", rngs=rngs, mesh=mesh
+        )
         self.post_attention_norm = RMSNorm(dim, eps)
         if mlp_type == "sparse":
             self.mlp = MoE(config, rngs=rngs, mesh=mesh)

@@ -93,6 +93,23 @@ def constrain_activations(x: jax.Array, mesh: Mesh | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def per_device_rows(fn, mesh: Mesh | None, rows: int):
+    """`fn` over arrays whose axis 0 is the batch, run on each device's rows (`jax.shard_map` over
+    the batch mesh axes), where the mesh splits the batch alone and `rows` divide. Attention's
+    query-tiled loops otherwise leave GSPMD to guess the layout of their carries (measured with
+    m3-plan at M3's shape: gradient buffers of the whole global batch, all-reduced per query
+    tile). Elsewhere (one device, seq or tensor > 1, rows not divisible) `fn` itself."""
+    if mesh is None or mesh.shape["seq"] > 1 or mesh.shape["tensor"] > 1:
+        return fn
+    axes = tuple(a for a in dict(RULES)["batch"] if mesh.shape[a] > 1)
+    if not axes or rows % math.prod(mesh.shape[a] for a in axes):
+        return fn
+    rows_spec = PartitionSpec(axes)
+    # check_vma off: every operand and result is split over the same axes (kernels inside drop
+    # the varying type, see pallas_kernels/moe/mosaic_gpu.vary_like)
+    return jax.shard_map(fn, mesh=mesh, in_specs=rows_spec, out_specs=rows_spec, check_vma=False)
+
+
 def bytes_per_device(shapes_tree, shardings_tree) -> int:
     """Bytes each device holds of a pytree of arrays (or ShapeDtypeStructs) under its shardings
     (NamedShardings on a Mesh or an AbstractMesh: a plan needs no devices)."""

@@ -93,7 +93,7 @@ def _parse(hlo_text: str):
             size = sizes[name]
         trips = _TRIP_COUNT.search(line)
         where = _OP_NAME.search(line)
-        label = f"{result.split('{')[0]}  {where[1] if where else ''}"
+        label = f"{result.split('{')[0]}  {where[1][-100:] if where else ''}"
         trips = int(trips[1]) if trips else 1
         current.append((op, size, label, _CALLED.findall(line), _branches(line), trips))
     if entry is None:
