@@ -3,7 +3,8 @@
 Mesh axes (always all five; a size-1 axis costs nothing): data, fsdp, expert, seq, tensor.
 Parameters carry logical names (m3jax/params.py); `RULES` maps each name to mesh axes. A dimension
 that its mesh axes do not divide is replicated instead (e.g. 4 kv heads on tensor=8), so every
-config runs on every mesh; the choice is visible in `describe`.
+config runs on every mesh; the choice is visible in `describe`. Of several mesh axes, the longest
+leading part that divides a dimension shards it.
 """
 
 import math
@@ -18,7 +19,9 @@ MESH_AXES = ("data", "fsdp", "expert", "seq", "tensor")
 RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp", "expert")),  # outside the experts, the expert axis is data parallel
     ("seq", ("seq",)),
-    ("embed", ("fsdp",)),
+    # FSDP over the expert axis too: outside the experts it is data parallel (a weight whose
+    # expert dim takes `expert` keeps fsdp alone)
+    ("embed", ("fsdp", "expert")),
     ("vocab", ("tensor",)),
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
@@ -59,7 +62,9 @@ def partition_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh) -> Partition
         if name is not None and name not in rules:
             raise ValueError(f"logical axis {name!r} has no rule in m3jax.sharding.RULES")
         mesh_axes = tuple(a for a in rules.get(name, ()) if a not in used and mesh.shape[a] > 1)
-        if not mesh_axes or dim % math.prod(mesh.shape[a] for a in mesh_axes):
+        while mesh_axes and dim % math.prod(mesh.shape[a] for a in mesh_axes):
+            mesh_axes = mesh_axes[:-1]  # the longest leading part of the axes that divides dim
+        if not mesh_axes:
             spec.append(None)
             continue
         used.update(mesh_axes)
