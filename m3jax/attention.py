@@ -13,13 +13,15 @@ Dh head dim, Di index head dim, R rotary dims.
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from m3jax import attention_ops, decode_attention, params
+from m3jax import attention_ops, decode_attention, params, sharding
 from m3jax.config import ModelConfig
 from m3jax.kv_cache import LayerCache, write_token
 from m3jax.norms import RMSNorm
@@ -84,7 +86,10 @@ class Indexer(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, sparse: bool, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig, *, sparse: bool, rngs: nnx.Rngs, mesh: Mesh | None = None
+    ):
+        """mesh: the devices the batch is split over; attention runs on each device's rows."""
         dim, heads, kv_heads, head_dim = (
             config.hidden_size,
             config.num_heads,
@@ -108,6 +113,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.indexer = Indexer(config, rngs=rngs) if sparse else None
         self.msa, self.impl = config.msa, config.attention_impl
+        self.mesh = mesh
 
     def __call__(
         self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
@@ -117,7 +123,9 @@ class Attention(nnx.Module):
         p = self.project(x, inputs)
         stats = {}
         if self.indexer is None:
-            out = attention_ops.dense(self.impl, p.q, p.k, p.v, inputs.segment_ids)
+            dense = functools.partial(attention_ops.dense, self.impl)
+            dense = sharding.per_device_rows(dense, self.mesh, x.shape[0])
+            out = dense(p.q, p.k, p.v, inputs.segment_ids)
         else:
             out, msa_stats = self._sparse(p, inputs, mode)
             if msa_stats:
@@ -171,12 +179,18 @@ class Attention(nnx.Module):
         msa, segment_ids, positions = self.msa, inputs.segment_ids, inputs.positions
         q, k, v, index_q, index_k = p
         backend = attention_ops.msa_backend(self.impl, msa, q, k, index_q)
-        out, kl, blocks = attention_ops.msa_layer(
-            backend, msa, q, k, v, index_q, index_k, segment_ids, positions,
-            dense_phase=mode.msa_dense,
-            student=(index_q, index_k) if mode.indexer_loss else None,
-            with_blocks=not mode.msa_dense or mode.block_recall,
-        )  # fmt: skip
+
+        def layer(q, k, v, index_q, index_k, segment_ids, positions, student):
+            return attention_ops.msa_layer(
+                backend, msa, q, k, v, index_q, index_k, segment_ids, positions,
+                dense_phase=mode.msa_dense, student=student,
+                with_blocks=not mode.msa_dense or mode.block_recall,
+            )  # fmt: skip
+
+        student = (index_q, index_k) if mode.indexer_loss else None
+        out, kl, blocks = sharding.per_device_rows(layer, self.mesh, q.shape[0])(
+            q, k, v, index_q, index_k, segment_ids, positions, student
+        )
         valid = segment_ids > 0
         stats = {} if blocks is None else {"blocks": blocks}
         if kl is not None:

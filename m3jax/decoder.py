@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from m3jax import sharding
 from m3jax.attention import Attention, AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.kv_cache import LayerCache
@@ -35,7 +36,9 @@ class DecoderLayer(nnx.Module):
     ):
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_norm = RMSNorm(dim, eps)
-        self.attention = Attention(config, sparse=attention_type == "minimax_m3_sparse", rngs=rngs)
+        self.attention = Attention(
+            config, sparse=attention_type == "minimax_m3_sparse", rngs=rngs, mesh=mesh
+        )
         self.post_attention_norm = RMSNorm(dim, eps)
         if mlp_type == "sparse":
             self.mlp = MoE(config, rngs=rngs, mesh=mesh)
@@ -97,7 +100,7 @@ class LayerStack(nnx.Module):
             num_layers,
             rngs,
         )
-        self.remat = config.remat
+        self.remat, self.mesh = config.remat, mesh
 
     def __call__(
         self,
@@ -111,7 +114,8 @@ class LayerStack(nnx.Module):
         "hidden": each layer's output [L, B, S, D])."""
 
         def step(layer: DecoderLayer, x: jax.Array) -> tuple[jax.Array, dict]:
-            y, stats = layer(x, inputs, mode)
+            y, stats = layer(sharding.constrain_activations(x, self.mesh), inputs, mode)
+            y = sharding.constrain_activations(y, self.mesh)
             return y, ({**stats, "hidden": y} if output_hidden_states else stats)
 
         return scan_layers(self.layers, x, step, self.remat)

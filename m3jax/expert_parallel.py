@@ -33,8 +33,12 @@ Exchanges, by `model.moe.dispatch`:
   device, moe_dispatch.capacity over the device's N tokens), one batched einsum over the
   [E/P, P·C, D] buffers received, the same all_to_all back. Rows past C are dropped and counted.
 Gradients come from autodiff through the collectives (their transposes are the reverse exchanges).
-Inside the map the expert weights are whole along D and F: fsdp/tensor shards are gathered on entry,
-and with mesh.tensor > 1 every tensor rank repeats its group's expert work (no tensor parallelism
+The expert weights enter the map as they are stored (`EXPERT_WEIGHT_AXES` through sharding.RULES:
+E over `expert`, D over `fsdp`, F over `tensor`), so a device receives only its E/P experts'
+shards; inside, it all-gathers the fsdp/tensor shards of its own experts (`_gathered`), whose
+transpose reduce-scatters their gradients. Gathering on entry instead would make every device
+hold, and all-reduce the gradients of, E/P whole experts (with mesh.expert = 1: all E of them).
+With mesh.tensor > 1 every tensor rank repeats its group's expert work (no tensor parallelism
 inside the experts yet).
 
 Shapes: B batch, S sequence, N = B·S tokens on a device, k experts per token, R = N·k rows,
@@ -68,6 +72,10 @@ from pallas_kernels.moe.mosaic_gpu import vary_like
 from pallas_kernels.moe.tiles import inverse_permutation, permute_rows
 
 EXPERT_AXIS = "expert"
+# Logical axes of the routed experts' weights (m3jax/moe.py): gate, up [E, D, F]; down [E, F, D].
+EXPERT_WEIGHT_AXES = ExpertWeights(
+    ("expert", "embed", "mlp"), ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+)
 
 
 class Blocks(NamedTuple):
@@ -135,6 +143,12 @@ def routed_experts(
     batch_axes, seq_axes = rules["batch"], rules["seq"]
     _check_divisible(mesh, x.shape, experts.gate.shape[0], batch_axes, seq_axes)
     tokens = PartitionSpec(batch_axes, seq_axes)
+    stored = ExpertWeights(
+        *(
+            sharding.partition_spec(axes, w.shape, mesh)
+            for axes, w in zip(EXPERT_WEIGHT_AXES, experts, strict=True)
+        )
+    )
     on_device = functools.partial(
         _routed_on_device,
         beside_fn=beside.fn if beside else None,
@@ -146,12 +160,13 @@ def routed_experts(
         exchange_factor=exchange_factor,
         token_axes=(*batch_axes, *seq_axes),
         emulate_ragged=_lacks_ragged_all_to_all(mesh),
+        stored=stored,
     )
     beside_weights = beside.weights if beside else ()
     return jax.shard_map(
         on_device,
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, PartitionSpec(EXPERT_AXIS), PartitionSpec()),
+        in_specs=(tokens, tokens, tokens, stored, PartitionSpec()),
         out_specs=(tokens, PartitionSpec(), PartitionSpec(), tokens if beside else None),
     )(x, chosen, weights, experts, beside_weights)
 
@@ -194,8 +209,10 @@ def _routed_on_device(
     exchange_factor: float,
     token_axes: tuple[str, ...],
     emulate_ragged: bool,
+    stored: ExpertWeights,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """One device's shard: x [B/…, S/…, D], chosen and weights [.., .., k]; E/P local experts."""
+    """One device's shard: x [B/…, S/…, D], chosen and weights [.., .., k]; E/P local experts,
+    sharded as `stored` (PartitionSpecs) says."""
     shape, k = x.shape, chosen.shape[-1]
     parts = jax.lax.axis_size(EXPERT_AXIS)
     local_experts = experts.gate.shape[0]
@@ -203,7 +220,9 @@ def _routed_on_device(
     tokens = x.reshape(num_tokens, shape[-1])
     # Weights typed as varying like the rows, once: autodiff sums their gradient over the token
     # axes here, and the padded exchange's two branches share one residual copy of them.
-    experts = ExpertWeights(*(vary_like(w, x) for w in experts))
+    experts = ExpertWeights(
+        *(vary_like(_gathered(w, spec, token_axes), x) for w, spec in zip(experts, stored))
+    )
     beside_weights = tuple(vary_like(w, x) for w in beside_weights)
     ffn = local_ffn(experts, activation, grouped_matmul)
     chosen, weights = chosen.reshape(num_tokens, k), weights.reshape(num_tokens, k)
@@ -252,6 +271,20 @@ def _routed_on_device(
         dropped = jax.lax.psum(dropped, token_axes)
     beside = None if beside is None else beside.reshape(shape)
     return routed.reshape(shape), dropped, worst_case, beside
+
+
+def _gathered(w: jax.Array, spec: PartitionSpec, token_axes: tuple[str, ...]) -> jax.Array:
+    """This device's experts whole along D and F: the shards over the mesh axes that `spec` names
+    for the dims after the expert dim, all-gathered. Over an axis the tokens are split on (fsdp),
+    the gradient's transpose is a reduce-scatter (the shards' tokens differ); over one they are
+    not (tensor: every rank repeats the same work), it is a slice of the same whole gradient."""
+    for dim, axes in enumerate(spec):
+        if dim == 0 or axes is None:
+            continue
+        for axis in reversed((axes,) if isinstance(axes, str) else axes):  # minor axis first
+            to = "varying" if axis in token_axes else "invarying"
+            w = jax.lax.all_gather(w, axis, axis=dim, tiled=True, to=to)
+    return w
 
 
 def _padded_branches(padded, usual: Blocks, worst: Blocks, fits: jax.Array):

@@ -57,15 +57,10 @@ class MoE(nnx.Module):
         experts = moe.num_experts
         self.router = params.normal(rngs, (dim, experts), ("embed", None), std)
         self.correction_bias = params.zeros_buffer((experts,), (None,))
-        self.gate_proj = params.normal(
-            rngs, (experts, dim, moe.expert_dim), ("expert", "embed", "mlp"), std
-        )
-        self.up_proj = params.normal(
-            rngs, (experts, dim, moe.expert_dim), ("expert", "embed", "mlp"), std
-        )
-        self.down_proj = params.normal(
-            rngs, (experts, moe.expert_dim, dim), ("expert", "mlp", "embed"), std
-        )
+        axes = expert_parallel.EXPERT_WEIGHT_AXES
+        self.gate_proj = params.normal(rngs, (experts, dim, moe.expert_dim), axes.gate, std)
+        self.up_proj = params.normal(rngs, (experts, dim, moe.expert_dim), axes.up, std)
+        self.down_proj = params.normal(rngs, (experts, moe.expert_dim, dim), axes.down, std)
         self.shared_expert = MLP(
             dim,
             moe.shared_expert_dim,

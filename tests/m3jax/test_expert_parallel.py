@@ -164,6 +164,40 @@ def test_expert_parallel_rejects_experts_that_do_not_divide_the_axis():
         run(config, random_state(config), *inputs(), mesh=mesh)
 
 
+def test_expert_weights_are_gathered_only_for_a_devices_own_experts():
+    """fsdp=2 x expert=2: the map receives each device's E/P experts as fsdp shards, all-gathers
+    those alone, and reduce-scatters their gradients: no [E, ...] expert array is ever gathered
+    (before, every device received whole experts and all-reduced their gradients)."""
+    config, mesh = moe_config(), mesh_of("ep2-fsdp2")
+    state = random_state(config)
+    for name, axes in zip(
+        ("gate_proj", "up_proj", "down_proj"), expert_parallel.EXPERT_WEIGHT_AXES
+    ):
+        spec = sharding.partition_spec(axes, state[name].shape, mesh)
+        state[name] = jax.device_put(state[name], jax.sharding.NamedSharding(mesh, spec))
+    x, mask, cotangent = inputs()
+    hlo = jax.jit(lambda state: run(config, state, x, mask, cotangent, mesh))
+    hlo = hlo.lower(state).compile().as_text()
+    gathered = _collective_shapes(hlo, "all-gather")
+    scattered = _collective_shapes(hlo, "reduce-scatter")
+    num_experts, width, half = (
+        config.moe.num_experts,
+        config.moe.expert_dim,
+        config.hidden_size // 2,
+    )
+    for whole, stored in (((2 * half, width), (half, width)), ((width, 2 * half), (width, half))):
+        assert (num_experts, *whole) not in gathered, f"all experts {whole} gathered: {gathered}"
+        assert (num_experts // 2, *whole) in gathered, f"local experts not in {gathered}"
+        local_shard = (num_experts // 2, *stored)  # the gradient as stored: E/2 experts, D/2
+        assert local_shard in scattered, f"{local_shard} not reduce-scattered: {scattered}"
+
+
+def _collective_shapes(hlo: str, op: str) -> set[tuple[int, ...]]:
+    """Result shapes of an op (all-gather, reduce-scatter) in compiled HLO text."""
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* " + op + r"\(", hlo)
+    return {tuple(int(d) for d in dims.split(",") if d) for dims in found}
+
+
 def test_ragged_all_to_all_emulation_matches_the_documented_example():
     """The example in `jax.lax.ragged_all_to_all`'s docstring, on 2 devices."""
     mesh = sharding.make_mesh({"expert": 2}, devices=jax.devices()[:2])

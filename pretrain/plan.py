@@ -1,0 +1,250 @@
+"""m3-plan: the per-device memory and traffic of a training step on a mesh, without the hardware.
+
+The train step that `m3-train` would run (pretrain/session.py, with its state and batch
+shardings) is compiled ahead of time for N fake CPU devices from abstract inputs
+(`jax.ShapeDtypeStruct`s with shardings: nothing is allocated). Reported per device:
+- params, optimizer state and buffers: exact, from the full model's shapes and shardings;
+- activations and temporaries: the compiled program's temp buffers (`memory_analysis()`);
+- collectives: bytes per step by op (pretrain/hlo_collectives.py);
+- training FLOPs per token at the planned context (m3jax/cost_model.py, 3 × forward).
+Compiled for XLA:CPU: GPU and TPU compilers fuse and schedule differently and take their own
+attention and grouped-matmul paths, so the temporaries are an estimate of the same program, not a
+measurement. With `--layers L` only the first L and L + 1 layers are compiled; temporaries and
+collectives grow by their difference per remaining layer (the layers after L must all be of one
+kind), and the output says so.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from m3jax import cost_model, sharding
+from m3jax.model import functional
+from pretrain import hlo_collectives
+from pretrain.cli import add_debug_flag, run_command
+from pretrain.config import RunConfig, load_run_config
+from pretrain.mfu import TRAINING_PER_FORWARD
+from pretrain.session import TrainingSession
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Bytes per device of one training step; `compiled_layers` None = the whole model."""
+
+    mesh: dict[str, int]
+    batch_size: int  # rows of the global batch
+    seq_len: int
+    params: int
+    opt_state: int
+    buffers: int
+    temporaries: int  # activations, gradients and every other buffer the step allocates
+    collectives: dict[str, int]  # op -> bytes per step (hlo_collectives)
+    flops_per_token: float  # training (forward + backward) FLOPs per token
+    compiled_layers: tuple[int, int] | None
+    notes: tuple[str, ...] = ()  # what was planned differently from the config, and why
+    largest: tuple[str, ...] = ()  # the largest collectives of the (last) compiled program
+
+    @property
+    def total(self) -> int:
+        """State plus temporaries: the updated state reuses the donated inputs' buffers."""
+        return self.params + self.opt_state + self.buffers + self.temporaries
+
+    def describe(self) -> str:
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "one device"
+        devices = math.prod(self.mesh.values())
+        rows = [
+            f"mesh {mesh} ({devices} devices); batch {self.batch_size} x {self.seq_len} tokens",
+            f"  params        {self.params / GB:10.4g} GB per device",
+            f"  optimizer     {self.opt_state / GB:10.4g} GB",
+            f"  buffers       {self.buffers / GB:10.4g} GB",
+            f"  temporaries   {self.temporaries / GB:10.4g} GB (activations, gradients, ...)",
+            f"  total         {self.total / GB:10.4g} GB",
+            f"  collectives   {hlo_collectives.summary(self.collectives)} GB per step",
+            f"  training FLOPs per token {self.flops_per_token:.4g}",
+        ]
+        rows += [f"    {line}" for line in self.largest]
+        rows += [f"  ({note})" for note in self.notes]
+        if self.compiled_layers:
+            low, high = self.compiled_layers
+            rows.append(
+                f"  (temporaries and collectives: compiled {low} and {high} layers, "
+                "grown linearly to all layers)"
+            )
+        return "\n".join(rows)
+
+    def as_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "total": self.total})
+
+
+def plan(run: RunConfig, layers: int | None = None) -> Plan:
+    """Plans `run` on its mesh (`run.mesh`) over this process's devices (fake CPU ones)."""
+    run, notes = cpu_stand_ins(run)
+    config = run.model
+    session = TrainingSession(functional(config), run, checkpoints=None, report=lambda _: None)
+    state, shardings = session.abstract_state, session.state_shardings
+    state_bytes = {
+        part: sharding.bytes_per_device(state[part], shardings[part])
+        for part in ("params", "opt_state", "buffers")
+    }
+    if layers is None or layers >= config.num_layers:
+        temporaries, collectives, largest = compile_step(session)
+        compiled = None
+    else:
+        temporaries, collectives, largest = _grown_by_layers(run, layers)
+        compiled = (layers, layers + 1)
+    flops = TRAINING_PER_FORWARD * cost_model.forward_flops_per_token(config, run.data.seq_len)
+    return Plan(
+        mesh=dict(session.mesh.shape),
+        batch_size=run.data.batch_size,
+        seq_len=run.data.seq_len,
+        params=state_bytes["params"],
+        opt_state=state_bytes["opt_state"],
+        buffers=state_bytes["buffers"],
+        temporaries=temporaries,
+        collectives=collectives,
+        flops_per_token=flops,
+        compiled_layers=compiled,
+        notes=tuple(notes),
+        largest=tuple(largest),
+    )
+
+
+def cpu_stand_ins(run: RunConfig) -> tuple[RunConfig, list[str]]:
+    """`run` with what XLA:CPU would plan misleadingly replaced, and a note for each."""
+    moe = run.model.moe
+    if moe.dispatch != "dropless" or "sparse" not in run.model.mlp_layer_types:
+        return run, []
+    # XLA:CPU expands ragged_dot into E masked dense products ([E, rows, D] temporaries)
+    moe = dataclasses.replace(moe, dispatch="capacity", capacity_factor=moe.exchange_factor)
+    note = (
+        f"dropless MoE planned as capacity buffers of factor {moe.capacity_factor} "
+        "(moe.exchange_factor): XLA:CPU expands ragged_dot into E dense masked products"
+    )
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, moe=moe)), [note]
+
+
+def compile_step(session: TrainingSession) -> tuple[int, dict[str, int], list[str]]:
+    """(temp bytes per device, collective bytes per step, the largest collectives) of the
+    session's compiled step."""
+    run = session.run
+    shape = (run.data.batch_size, run.data.seq_len)
+    batch = {
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=session.batch_sharding)
+        for name, dtype in (
+            ("tokens", jnp.int32),
+            ("targets", jnp.int32),
+            ("positions", jnp.int32),
+            ("segment_ids", jnp.int32),
+            ("loss_mask", jnp.float32),
+        )
+    }
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        session.abstract_state,
+        session.state_shardings,
+    )
+    # the session's own jitted step (shardings, donation): what m3-train compiles
+    compiled = session._step.lower(state, batch, session.forward_mode(1)).compile()
+    memory = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    return (
+        memory.temp_size_in_bytes,
+        hlo_collectives.collective_bytes(hlo),
+        hlo_collectives.largest(hlo, 5),
+    )
+
+
+def _grown_by_layers(run: RunConfig, layers: int) -> tuple[int, dict[str, int], list[str]]:
+    """Temporaries and collectives of all layers, from compiling `layers` and `layers` + 1."""
+    config = run.model
+    # from layer L - 2 on one kind: both compiles scan >= 2 of it (a scan of 1 plans differently)
+    kinds = set(zip(config.layer_types[layers - 2 :], config.mlp_layer_types[layers - 2 :]))
+    if layers < 2 or len(kinds) > 1:
+        raise ValueError(
+            f"--layers {layers}: layers {layers - 2}.. of the config must all be of one kind to "
+            f"grow linearly, found {sorted(kinds)} (plan more layers)"
+        )
+    low, high = (compile_step(_session(run, n)) for n in (layers, layers + 1))
+    extra = config.num_layers - layers - 1
+    temporaries = high[0] + extra * (high[0] - low[0])
+    ops = set(low[1]) | set(high[1])
+    collectives = {
+        op: high[1].get(op, 0) + extra * (high[1].get(op, 0) - low[1].get(op, 0)) for op in ops
+    }
+    return temporaries, collectives, high[2]
+
+
+def _session(run: RunConfig, layers: int) -> TrainingSession:
+    config = run.model
+    model = dataclasses.replace(
+        config,
+        num_layers=layers,
+        layer_types=config.layer_types[:layers],
+        mlp_layer_types=config.mlp_layer_types[:layers],
+    )
+    run = dataclasses.replace(run, model=model)
+    return TrainingSession(functional(model), run, checkpoints=None, report=lambda _: None)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """ "data=2,fsdp=4" -> {"data": 2, "fsdp": 4}; names are sharding.MESH_AXES."""
+    sizes = {}
+    for item in filter(None, text.split(",")):
+        name, _, size = item.partition("=")
+        if name not in sharding.MESH_AXES or not size.lstrip("-").isdigit():
+            raise ValueError(
+                f"--mesh: bad entry {item!r} (write axis=size, axes {sharding.MESH_AXES})"
+            )
+        sizes[name] = int(size)
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="m3-plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a run config YAML (configs/*.yaml)")
+    parser.add_argument("--mesh", required=True, help="axis sizes, e.g. fsdp=16,expert=8")
+    parser.add_argument("--devices", type=int, required=True, help="fake CPU devices to plan on")
+    parser.add_argument("--layers", type=int, help="compile this many layers and one more, grow")
+    parser.add_argument("--seq-len", type=int, help="tokens per row (default: data.seq_len)")
+    parser.add_argument(
+        "--batch-size", type=int, help="global rows (default: one per data-parallel device)"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
+    return run_command("m3-plan", lambda: _plan_command(args), debug=args.debug)
+
+
+def _plan_command(args) -> int:
+    # before any device exists: N fake CPU devices (nothing is allocated on them)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    if jax.device_count() != args.devices:
+        raise RuntimeError(f"--devices {args.devices}: jax already has {jax.device_count()}")
+    mesh = {**dict.fromkeys(sharding.MESH_AXES, 1), **parse_mesh(args.mesh)}
+    overrides = [f"mesh.{k}={v}" for k, v in mesh.items()] + list(args.overrides)
+    run = load_run_config(args.config, overrides)
+    data_parallel = _data_parallel(run)
+    rows = args.batch_size or data_parallel * run.train.grad_accum_steps
+    data = {"batch_size": rows, **({"seq_len": args.seq_len} if args.seq_len else {})}
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, **data))
+    result = plan(run, args.layers)
+    print(result.describe())
+    print(result.as_json())
+    return 0
+
+
+def _data_parallel(run: RunConfig) -> int:
+    mesh = sharding.make_mesh(dataclasses.asdict(run.mesh))
+    return math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
