@@ -63,7 +63,8 @@ def dense(
     if impl in ("pallas", "auto"):
         kernels = attention_splash if jax.default_backend() == "tpu" else attention_cudnn
         reason = kernels.unsupported_reason(q, k)
-        if impl == "pallas" and reason:
+        # on a CPU, "pallas" interprets the MSA kernels; cuDNN and splash have no interpreter
+        if impl == "pallas" and reason and jax.default_backend() != "cpu":
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
             return kernels.dense_attention(q, k, v, segment_ids, causal=causal)
