@@ -93,8 +93,9 @@ def test_train_step_with_accumulation_updates_parameters_and_biases_as_the_whole
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state_2["params"]),
                             jax.tree.leaves(state["params"]), strict=True):  # fmt: skip
         # AdamW scales each update to ~lr: where a gradient is ~0 its rounding noise is too,
-        # so the tolerance is a share of lr (3e-3): observed at most 6e-6
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+        # so the tolerance is a share of lr (3e-3): observed at most 3.3e-5 (one element of a
+        # q_proj, with the chunked loss's summation order; 6e-6 before it)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=jax.tree_util.keystr(path))
     for a, b in zip(jax.tree.leaves(state_2["buffers"]), jax.tree.leaves(state["buffers"])):
         np.testing.assert_array_equal(a, b)  # router biases: moved by the whole batch's load
     for ours, theirs in ((first_2, first), (second_2, second)):
