@@ -24,19 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_train import synthetic_batch
 from pallas_kernels.attention import cudnn, xla
 
 
-def packed_row_segments(batch: int, seq: int, mean: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    segments = np.zeros((batch, seq), np.int32)
-    for row in range(batch):
-        start, document = 0, 1
-        while start < seq:
-            length = max(1, min(seq - start, int(rng.exponential(mean))))
-            segments[row, start : start + length] = document
-            start, document = start + length, document + 1
-    return segments
+def packed_row_segments(batch: int, seq: int, mean: int, seed: int = 0) -> jax.Array:
+    """bench_train's packed rows: documents of exponential lengths (mean `mean`)."""
+    return synthetic_batch(batch, seq, vocab=2, seed=seed, mean_document=mean)["segment_ids"]
 
 
 def useful_flops(segments: np.ndarray, heads: int, head_dim: int, causal: bool) -> float:
@@ -93,7 +87,7 @@ def bench_shape(
     q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), jnp.bfloat16)
-    segments = jnp.asarray(packed_row_segments(batch, seq, mean))
+    segments = packed_row_segments(batch, seq, mean)
     runs = int(cudnn.segment_runs(segments, 1)[2].max())
     work = useful_flops(np.asarray(segments), heads, head_dim, causal)
     base = {"shape": shape, "causal": causal, "max_runs": runs}
@@ -116,7 +110,7 @@ def bench_shape(
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
     xla_path, chosen = on(segments)
-    many = jnp.asarray(packed_row_segments(batch, seq, 30, seed=1))  # ~S/30 documents a row
+    many = packed_row_segments(batch, seq, 30, seed=1)  # ~S/30 documents a row
     rows = []
     for name, (reference, attend), ids in [
         ("cudnn (packed or masked)", (xla_path, chosen), segments),
