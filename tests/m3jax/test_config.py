@@ -142,10 +142,12 @@ def test_layer_pattern_expands_repeats_in_order():
 
 def test_m3_defaults_match_the_released_shape():
     run = load_run_config(REPO / "configs/m3.yaml")
+    # bias_update_rate is a training knob: m3.yaml keeps DeepSeek-V3's 1e-3 for M3-scale steps
+    moe = dataclasses.replace(MoEConfig(), bias_update_rate=1e-3)
     assert run.model == dataclasses.replace(
-        ModelConfig(), dtype="bfloat16", remat="full", vision=run.model.vision
+        ModelConfig(), dtype="bfloat16", remat="full", vision=run.model.vision, moe=moe
     )
-    assert run.model.msa == MSAConfig() and run.model.moe == MoEConfig()
+    assert run.model.msa == MSAConfig() and run.model.moe == moe
     assert run.model.layer_types[:3] == ("full_attention",) * 3
     assert (
         set(run.model.layer_types[3:]) == {"minimax_m3_sparse"} and len(run.model.layer_types) == 60

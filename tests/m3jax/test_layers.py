@@ -251,10 +251,12 @@ def test_route_bias_changes_choice_not_weights_formula():
 
 
 def test_balanced_bias_moves_each_expert_toward_mean_load():
-    bias = jnp.asarray([[0.5, 0.0, -0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    load = jnp.asarray([[10.0, 2.0, 6.0, 6.0], [1.0, 1.0, 1.0, 5.0]])  # means 6 and 2, per layer
+    bias = jnp.asarray([[0.5, 0.0, -0.5, 0.0], [0.0, 0.0, 0.0, 0.0], [0.1, 0.0, 0.0, 0.0]])
+    # means 6, 2 and 0, per layer; the third layer routed no token
+    load = jnp.asarray([[9.0, 3.0, 6.0, 6.0], [0.0, 1.0, 1.0, 6.0], [0.0, 0.0, 0.0, 0.0]])
     new = np.asarray(balanced_bias(bias, load, 0.01))
-    expected = [[0.49, 0.01, -0.5, 0.0], [0.01, 0.01, 0.01, -0.01]]
+    # rate × (mean - load) / mean, clipped to ±rate: idle +rate, ≥ 2× the mean -rate
+    expected = [[0.495, 0.005, -0.5, 0.0], [0.01, 0.005, 0.005, -0.01], [0.1, 0.0, 0.0, 0.0]]
     np.testing.assert_allclose(new, expected, rtol=0, atol=1e-7)
 
 

@@ -42,7 +42,7 @@ def test_mtp_loss_and_router_biases_train_the_modules():
     np.testing.assert_allclose(metrics["mtp_nll"], (metrics["mtp_nll0"] + metrics["mtp_nll1"]) / 2)
     assert {"expert_imbalance_mtp1", "msa_kl_mtp0", "msa_kl_layer1"} <= set(metrics)
     bias = new_state["buffers"]["mtp"]["depths"][1]["layer"]["mlp"]["correction_bias"]
-    assert np.abs(np.asarray(bias)).max() == RUN.model.moe.bias_update_rate  # moved by ±rate
+    assert 0 < np.abs(np.asarray(bias)).max() <= RUN.model.moe.bias_update_rate  # moved, ≤ rate
     moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state["params"]["mtp"],
                          new_state["params"]["mtp"])  # fmt: skip
     assert all(jax.tree.leaves(moved))
