@@ -198,7 +198,7 @@ def _kernel(geo, first, last, mask_free, iq_ref, ik_ref, kseg_ref, meta_ref, out
         member = jax.lax.broadcasted_iota(jnp.int32, scores_ref.shape, 0)
         scores_ref[...] = jnp.where(member < geo.topk, -jnp.inf, jnp.inf)
         ids_ref[...] = jnp.where(member < geo.topk, UNSET + member, PADDING)
-        pending_ref[...] = jnp.full_like(pending_ref, -jnp.inf)
+        pending_ref[...] = jnp.full(pending_ref.shape, -jnp.inf, jnp.float32)
 
     interior = (c * geo.key_tile >= mask_free[b * geo.query_tiles + t]) & (
         (c + 1) * geo.key_tile <= t * geo.queries + 1
