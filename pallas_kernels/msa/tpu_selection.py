@@ -66,7 +66,11 @@ class Geometry:
     key_blocks: int  # n
 
     @classmethod
-    def of(cls, index_q_shape, block_size, topk_blocks, local_blocks, tiling):
+    def of(
+        cls, index_q_shape: tuple[int, ...], block_size: int, topk_blocks: int,
+        local_blocks: int, tiling: Tiling,
+    ) -> "Geometry":  # fmt: skip
+        """The geometry of index_q [B, S, Hi, Di] under `tiling`, tiles no longer than S."""
         batch, seq, heads, _ = index_q_shape
         num_blocks = -(-seq // block_size)
         return cls(batch, seq, heads, block_size, min(topk_blocks, num_blocks), local_blocks,
@@ -95,11 +99,12 @@ class Geometry:
 
 def unsupported_reason(index_q: jax.Array, *, block_size: int, tiling: Tiling = Tiling()) -> str:
     """Why the compiled kernel can't take these operands ('' when it can); the interpreters take
-    any. Blocks of whole sublane tiles (multiples of 8 keys), lane-dense rows (R a multiple of
-    128) unless one tile holds every query."""
+    any. Blocks of whole sublane tiles (8 keys in fp32, 16 in bf16), lane-dense rows (R a
+    multiple of 128) unless one tile holds every query."""
     geo = Geometry.of(index_q.shape, block_size, 1, 1, tiling)
-    if block_size % 8:
-        return f"selection: {block_size=} is not a multiple of 8"
+    sublanes = 8 * 4 // max(1, jnp.dtype(index_q.dtype).itemsize)
+    if block_size % sublanes:
+        return f"selection: {block_size=} is not a multiple of {sublanes} ({index_q.dtype} keys)"
     if geo.rows % 128 and geo.query_tiles > 1:
         return f"selection: {geo.queries} queries × {geo.heads} index heads: not 128-lane rows"
     return ""
@@ -221,34 +226,20 @@ def _kernel(geo, first, last, mask_free, iq_ref, ik_ref, kseg_ref, meta_ref, out
         _write_ranked(geo, state, out_ref)
 
 
-def top_blocks(
-    index_q: jax.Array,
-    index_k: jax.Array,
-    segment_ids: jax.Array,
-    positions: jax.Array,
-    *,
-    block_size: int,
-    topk_blocks: int,
-    local_blocks: int,
-    tiling: Tiling = Tiling(),
-    interpret=False,
-) -> jax.Array:
-    """Same arguments and result as `reference.top_blocks`: [B, S, Hi, min(k, ceil(S / block))]
-    int32, in `top_k`'s order. interpret: as `pallas_call` takes it (a bool or
-    `pltpu.InterpretParams`)."""
-    if not interpret and (reason := unsupported_reason(index_q, block_size=block_size,
-                                                          tiling=tiling)):  # fmt: skip
-        raise ValueError(reason)
-    geo = Geometry.of(index_q.shape, block_size, topk_blocks, local_blocks, tiling)
-    index_q, index_k = jax.lax.stop_gradient((index_q, index_k))
+def _operands(geo, index_q, index_k, segment_ids):
+    """index_q as rows [B, S'·Hi, Di] (query-major), index_k [B, T', Di] and the keys' segments
+    [B, T', 1], padded to whole query and key tiles."""
     queries, keys = geo.query_tiles * geo.queries, geo.key_tiles * geo.key_tile
-    tables, meta = _tables(geo, jnp.asarray(segment_ids), jnp.asarray(positions))
     iq = jnp.pad(index_q, ((0, 0), (0, queries - geo.seq), (0, 0), (0, 0)))
-    iq = iq.reshape(geo.batch, queries * geo.heads, -1)  # [B, S'·Hi, Di], query-major rows
     ik = jnp.pad(index_k, ((0, 0), (0, keys - geo.seq), (0, 0)))
     kseg = jnp.pad(jnp.asarray(segment_ids, jnp.int32), ((0, 0), (0, keys - geo.seq)),
-                   constant_values=NO_SEGMENT)[..., None]  # fmt: skip
-    index_dim = iq.shape[-1]
+                   constant_values=NO_SEGMENT)  # fmt: skip
+    return iq.reshape(geo.batch, queries * geo.heads, -1), ik, kseg[..., None]
+
+
+def _call(geo, index_dim, interpret):
+    """The pallas_call: grid (B, query tiles, key tiles), key tiles clamped to each query tile's
+    [first, last] (scalar prefetch), the output block written at the last."""
     rows = lambda b, t, u, *_: (b, t, 0)
     key_rows = lambda b, t, u, *p: (b, _key_tile(geo, b, t, u, *p[:2]), 0)
     lanes = lambda b, t, u, *_: (b, 0, t)
@@ -268,15 +259,41 @@ def top_blocks(
             pltpu.VMEM((1, geo.rows), jnp.float32),  # the open block's max
         ],
     )
-    out = pl.pallas_call(
+    lanes_out = geo.query_tiles * geo.rows
+    return pl.pallas_call(
         functools.partial(_kernel, geo),
-        out_shape=jax.ShapeDtypeStruct((geo.batch, geo.width, queries * geo.heads), jnp.int32),
+        out_shape=jax.ShapeDtypeStruct((geo.batch, geo.width, lanes_out), jnp.int32),
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")
         ),
         interpret=interpret,
         name="msa_tpu_select",
-    )(*tables, iq, ik, kseg, meta)
+    )
+
+
+def top_blocks(
+    index_q: jax.Array,
+    index_k: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    *,
+    block_size: int,
+    topk_blocks: int,
+    local_blocks: int,
+    tiling: Tiling = Tiling(),
+    interpret=False,
+) -> jax.Array:
+    """Same arguments and result as `reference.top_blocks`: [B, S, Hi, min(k, ceil(S / block))]
+    int32, in `top_k`'s order. interpret: as `pallas_call` takes it (a bool or
+    `pltpu.InterpretParams`)."""
+    if not interpret and (reason := unsupported_reason(index_q, block_size=block_size,
+                                                          tiling=tiling)):  # fmt: skip
+        raise ValueError(reason)
+    geo = Geometry.of(index_q.shape, block_size, topk_blocks, local_blocks, tiling)
+    tables, meta = _tables(geo, jnp.asarray(segment_ids), jnp.asarray(positions))
+    operands = _operands(geo, *jax.lax.stop_gradient((index_q, index_k)), segment_ids)
+    out = _call(geo, index_q.shape[-1], interpret)(*tables, *operands, meta)
+    queries = geo.query_tiles * geo.queries
     out = out[:, : geo.topk].reshape(geo.batch, geo.topk, queries, geo.heads)[:, :, : geo.seq]
     return out.transpose(0, 2, 3, 1)
