@@ -6,9 +6,10 @@ written (run it on a TPU host and append the table to benchmarks/RESULTS.md).
     python -m benchmarks.bench_msa_tpu --interpret --lengths 384 --repeats 1  # CPU smoke run
 
 Check first: the kernels against the XLA path in bfloat16 on a row of two documents, the second
-starting mid-block (output, KL and the gradients of all five inputs, as relative errors). Then per
-length: splash causal dense attention (forward; forward+backward) and the TPU MSA layer's
-selection (XLA), forward (selection + sparse attention + indexer KL) and forward+backward — bf16,
+starting mid-block (the share of (query, head) rows selecting the same blocks; output, KL and the
+gradients of all five inputs, as relative errors). Then per length: splash causal dense attention
+(forward; forward+backward) and the TPU MSA layer's selection (its kernel), forward (selection +
+sparse attention + indexer KL) and forward+backward — bf16,
 batch 1, 64 query / 4 kv heads of 128, 4 index heads of 128, blocks of 128, top-16 (bench_msa's
 shapes). Median time, TFLOP/s by the spec/msa.md §3 cost model, and the ratio to splash measured
 in the same run. The last stdout line is JSON.
@@ -21,7 +22,14 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_msa import flops, make_inputs, median_seconds, msa_functions, relative
+from benchmarks.bench_msa import (
+    flops,
+    make_inputs,
+    median_seconds,
+    msa_functions,
+    relative,
+    same_sets,
+)
 from pallas_kernels.attention import splash
 from pallas_kernels.msa import tpu, xla
 
@@ -48,14 +56,19 @@ def time_variant(fn, inputs: dict, repeats: int) -> float:
 
 
 def check(seq: int, interpret: bool) -> dict:
-    """Relative errors of the TPU kernels against the XLA path (bf16, two documents)."""
+    """The TPU kernels against the XLA path (bf16, two documents): the share of rows selecting
+    the same blocks, and relative errors."""
     inputs = make_inputs(seq, documents=2)
     got = msa_functions("tpu", tpu, interpret=interpret)
     expected = msa_functions("xla", xla)
-    result = {"seq": seq}
+
+    def run(fn):
+        return jax.jit(lambda x: fn(**x))(inputs)
+
+    blocks = run(got["tpu select"]), run(expected["xla select"])
+    result = {"seq": seq, "selection_agree": same_sets(*blocks)}
     for phase in ("fwd", "fwd+bwd"):
-        outputs = jax.jit(lambda x, f=got[f"tpu {phase}"]: f(**x))(inputs)
-        wanted = jax.jit(lambda x, f=expected[f"xla {phase}"]: f(**x))(inputs)
+        outputs, wanted = run(got[f"tpu {phase}"]), run(expected[f"xla {phase}"])
         names = ("out", "kl") if phase == "fwd" else ("dq", "dk", "dv", "d_index_q", "d_index_k")
         result |= {name: relative(a, b) for name, a, b in zip(names, outputs, wanted)}
     return result

@@ -11,11 +11,17 @@
   block, one per row from slot 0 exactly the selected blocks. dQ (and d index_q) run over the
   same table; dK, dV (and d index_k) over the inverted one, key block -> query tiles. The
   indexer's KL takes a second forward kernel, the LSEs known. Kernels: tpu_kernels.py.
-- `top_blocks`, `dense_attention` and `block_recall`: the XLA path's (no selection kernel yet).
+- `top_blocks`: one kernel (tpu_selection.py) streams the indexer's scores over key tiles with
+  (query, index head) rows on lanes, the block max and a running top-k per row in VMEM; the first
+  and last key tile of each query tile come from scalar prefetch, so tiles before its earliest
+  document and after its last query are never fetched. Exactly `reference.top_blocks`' result,
+  order included.
+- `dense_attention` and `block_recall`: the XLA path's.
 
 Queries go in windows so that one call's tables stay within `table_entries` (SMEM is small).
 On a machine without a TPU the kernels run in Pallas' TPU interpreter (`interpret=None` picks it),
 which checks block specs and the scalar-prefetch tables on CPU. Speed: unmeasured (no TPU here).
+`unsupported_reason` covers both kernels, so a layer either kernel can't take runs the XLA path.
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi), G = H // K, Dh head dim, Di index
 head dim, k selected blocks per query, Tq queries per tile, W queries per window.
@@ -28,21 +34,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.msa import tpu_kernels, xla
+from pallas_kernels.msa import tpu_kernels, tpu_selection
 from pallas_kernels.msa.reference import Student
+from pallas_kernels.msa.tpu_selection import NO_SEGMENT
 from pallas_kernels.msa.xla import block_recall, dense_attention
 
 __all__ = ["block_recall", "dense_attention", "sparse_attention", "top_blocks"]
 
-NO_SEGMENT = jnp.iinfo(jnp.int32).min  # padded key slots: in no document
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything but the shapes that fixes how `sparse_attention` runs."""
+    """Everything but the shapes that fixes how the kernels run."""
 
     rows: int = 128  # Tq·G rows of one Q·Kᵀ tile (Tq = rows // G queries, at least 1)
     table_entries: int = 1 << 16  # int32 table entries per call (256 KiB of SMEM)
+    selection: tpu_selection.Tiling = tpu_selection.Tiling()  # `top_blocks`' kernel
 
     def __post_init__(self):
         if self.rows < 1 or self.table_entries < 1:
@@ -54,7 +60,8 @@ def unsupported_reason(
 ) -> str:
     """Why the compiled kernels can't run a layer with these operands ('' when they can); the
     interpreters take any. Conservative (unverified on a TPU): lane-dense head dims and blocks
-    (multiples of 128 lanes) and whole sublane tiles of queries (multiples of 8)."""
+    (multiples of 128 lanes), whole sublane tiles of queries (multiples of 8), and the selection
+    kernel's own conditions (`tpu_selection.unsupported_reason`)."""
     sizes = {"head_dim": q.shape[3], "index_head_dim": index_q.shape[3], "block_size": block_size}
     for name, size in sizes.items():
         if size % 128:
@@ -62,7 +69,7 @@ def unsupported_reason(
     queries = max(1, config.rows // (q.shape[2] // k.shape[2]))
     if queries % 8:
         return f"rows={config.rows} give {queries} queries a tile, not a multiple of 8"
-    return ""
+    return tpu_selection.unsupported_reason(index_q, block_size=block_size, tiling=config.selection)
 
 
 def _interpret(interpret):
@@ -100,11 +107,14 @@ def top_blocks(
     config: Config = Config(),
     interpret=None,
 ) -> jax.Array:
-    """Same arguments and result as `reference.top_blocks`: the XLA path's selection (config and
-    interpret are accepted for a uniform call and unused)."""
-    del config, interpret
-    return xla.top_blocks(index_q, index_k, segment_ids, positions, block_size=block_size,
-                          topk_blocks=topk_blocks, local_blocks=local_blocks)  # fmt: skip
+    """Same arguments and result as `reference.top_blocks`, from the selection kernel.
+
+    interpret: None (the TPU interpreter unless on a TPU), a bool, or `pltpu.InterpretParams`.
+    """
+    return tpu_selection.top_blocks(
+        index_q, index_k, segment_ids, positions, block_size=block_size, topk_blocks=topk_blocks,
+        local_blocks=local_blocks, tiling=config.selection, interpret=_interpret(interpret),
+    )  # fmt: skip
 
 
 def _pad(x, size, fill=0, axis=1):

@@ -61,6 +61,29 @@ def test_auto_takes_the_tpu_kernels_on_a_tpu_where_they_apply():
         assert attention_ops.msa_backend("xla", wide, q, k, index_q) is msa_xla
 
 
+def test_msa_layer_on_a_tpu_selects_with_the_tpu_kernel():
+    """The layer m3-train runs, on a mocked TPU: `top_blocks` is the Mosaic selection kernel
+    (interpreted here), with the reference's result."""
+    wide = MSAConfig(index_heads=2, index_head_dim=128, block_size=128, topk_blocks=2)
+    q, k, v, index_q, index_k = (
+        jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 96)]) for x in operands(jnp.float32)
+    )  # head dims 128
+    segments, positions = jnp.ones((1, 100), jnp.int32), jnp.arange(100)[None]
+    kernel = mock.Mock(wraps=msa_tpu.tpu_selection.top_blocks)
+    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "tpu"), \
+            mock.patch.object(msa_tpu, "_interpret", lambda interpret: True), \
+            mock.patch.object(msa_tpu.tpu_selection, "top_blocks", kernel):  # fmt: skip
+        backend = attention_ops.msa_backend("auto", wide, q, k, index_q)
+        *_, blocks = attention_ops.msa_layer(
+            backend, wide, q, k, v, index_q, index_k, segments, positions,
+            dense_phase=False, student=None, with_blocks=True,
+        )  # fmt: skip
+    assert backend is msa_tpu and kernel.call_count == 1
+    expected = msa_reference.top_blocks(index_q, index_k, segments, positions, block_size=128,
+                                        topk_blocks=2, local_blocks=1)  # fmt: skip
+    np.testing.assert_array_equal(blocks, expected)
+
+
 def test_pallas_refuses_a_block_that_does_not_split():
     q, k, _, index_q, _ = operands(jnp.float32)
     odd = MSAConfig(index_heads=2, index_head_dim=32, block_size=33, topk_blocks=2)

@@ -21,6 +21,7 @@ from pallas_kernels.attention.reference import document_causal_mask, gqa_attenti
 from pallas_kernels.msa import pallas, reference, tpu, tpu_kernels, xla
 from pallas_kernels.msa.chunks import Tiling
 from pallas_kernels.msa.selection_kernel import Tiling as SelectionTiling
+from pallas_kernels.msa.tpu_selection import Tiling as TPUSelectionTiling
 
 F32_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-4
@@ -31,16 +32,19 @@ SMALL = pallas.Config(
     backward=Tiling(rows=16, segment_chunks=3, key_split=2),
     selection=SelectionTiling(rows=16),
 )
-# TPU: tiles of 4 queries × 4 heads, tables of at most 5 tiles (several windows per row).
-TPU_SMALL = tpu.Config(rows=16, table_entries=100)
+# TPU: tiles of 4 queries × 4 heads, tables of at most 5 tiles (several windows per row);
+# selection tiles of 8 queries and 2 key blocks (several of each per row).
+TPU_SMALL = tpu.Config(
+    rows=16, table_entries=100, selection=TPUSelectionTiling(queries=8, key_blocks=2)
+)
 BACKENDS = {
     "xla": (xla, {}),
     "pallas": (pallas, {"config": SMALL, "interpret": True}),
     "tpu": (tpu, {"config": TPU_SMALL, "interpret": True}),
 }
 SETTINGS = [(16, 2, 1), (16, 3, 2), (32, 2, 1)]  # (block_size, topk_blocks, local_blocks)
-# The TPU backend where a test adds little for it (its selection is the XLA path's) and costs
-# seconds of interpreter compile: under `slow`.
+# The TPU backend where a test adds little for it (it repeats what others check of its kernels)
+# and costs seconds of interpreter compile: under `slow`.
 BUT_TPU_SLOW = [pytest.param(b, marks=pytest.mark.slow) if b == "tpu" else b for b in BACKENDS]
 # (backend, *setting) for the first two settings, the TPU backend's second one under `slow`.
 TWO_SETTINGS = [
@@ -79,7 +83,7 @@ def select(x, block_size, topk, local):
                                 topk_blocks=topk, local_blocks=local)  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BUT_TPU_SLOW)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size, topk, local", SETTINGS)
 def test_top_blocks_matches_reference(backend, block_size, topk, local):
     module, kwargs = BACKENDS[backend]
