@@ -10,7 +10,7 @@ import dataclasses
 ATTENTION_TYPES = ("full_attention", "minimax_m3_sparse")
 MLP_TYPES = ("dense", "sparse")
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe_dispatch.py
 GROUPED_MATMUL_IMPLS = (
@@ -205,7 +205,7 @@ class ModelConfig:
     dtype: str = (
         "float32"  # activation/matmul dtype; params stay float32, norms/softmax/router fp32
     )
-    remat: str = "none"  # what the backward pass recomputes per layer: none | full | save_dots
+    remat: str = "none"  # what the backward recomputes per layer: none|full|save_dots|save_attention
     # "auto": the MSA Pallas GPU kernels where they apply, else "xla"; "pallas": the kernels or an
     # error; "xla": query-tiled attention and MSA, memory linear in S; "reference": O(S²) jnp (tests)
     attention_impl: str = "auto"

@@ -13,9 +13,13 @@ from typing import Any
 import jax
 from flax import nnx
 
+from pallas_kernels.msa.pallas import SAVED_BY_REMAT
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # recompute all but the MSA kernels' attention outputs (selection and projections recomputed)
+    "save_attention": jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT),
 }
 
 
@@ -45,7 +49,8 @@ def scan_layers(
 ) -> tuple[jax.Array, Any]:
     """Runs `step(layer, x) -> (x, per-layer output)` over the stack; outputs stacked over layers.
 
-    remat: "none" | "full" | "save_dots" (what the backward pass recomputes per layer).
+    remat: "none" | "full" | "save_dots" | "save_attention" (what the backward pass recomputes
+    per layer).
     """
     graphdef, state = nnx.split(layers)
 

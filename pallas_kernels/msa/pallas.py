@@ -21,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.msa import (
     backward_kernel,
@@ -35,6 +36,9 @@ from pallas_kernels.msa.xla import block_recall, dense_attention
 __all__ = ["block_recall", "dense_attention", "sparse_attention", "top_blocks"]
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)  # float32 tiles overflow shared memory on Hopper
+# `checkpoint_name` of the attention's residuals that come from the kernels (output, LSEs): a
+# remat policy that saves them runs the LSE and forward kernels once a step, not twice
+SAVED_BY_REMAT = "msa_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +238,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             lambda window: forward_window(k, v, index_k, segments, window), xs
         )
         out, kl = windows.join(out), kl if kl is None else windows.join(kl)
+        out, lse, lse_z = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
+                           for x in (out, lse, lse_z))  # fmt: skip
         residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z)
         return (out, kl), residuals
 

@@ -3,12 +3,14 @@ each: "auto" takes the Pallas kernels on a GPU where they apply and the XLA path
 "pallas" takes the kernels or says why not; the layer runs dense attention whenever every query
 keeps all its blocks (S <= topk_blocks · block_size)."""
 
+import collections
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
 from m3jax import attention_ops
 from m3jax.attention import ForwardMode
@@ -147,3 +149,46 @@ def test_model_loss_and_gradients_equal_with_kernels_and_xla():
     np.testing.assert_allclose(value_pallas, value_xla, rtol=1e-5)
     for g, e in zip(jax.tree.leaves(grads_pallas), jax.tree.leaves(grads_xla)):
         np.testing.assert_allclose(g, e, atol=1e-5)
+
+
+def kernel_calls(jaxpr: jcore.Jaxpr) -> collections.Counter:
+    """How many times each Pallas kernel (by name) appears in a program, sub-programs included."""
+    counts = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            counts[eqn.params["name"]] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jcore.ClosedJaxpr | jcore.Jaxpr):
+                    counts += kernel_calls(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub)
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat, forward_runs", [("full", 2), ("save_attention", 1)])
+def test_save_attention_remat_runs_the_msa_kernels_forward_once(remat, forward_runs):
+    """`model.remat=save_attention` keeps the MSA kernels' attention outputs for the backward pass
+    (`full` recomputes them: the LSE and forward kernels run twice a step), with the gradients of
+    no rematerialisation. The selection is recomputed under both."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 272, (1, 48)), jnp.int32)
+    positions, segments = jnp.arange(48)[None], jnp.ones((1, 48), jnp.int32)
+    mode = ForwardMode(indexer_loss=True)
+
+    def gradient(remat):
+        model = functional(tiny_run(model={"attention_impl": "pallas", "remat": remat}).model)
+        params, buffers = model.init(0)
+
+        def loss(params):
+            logits, stats = model.apply(params, buffers, tokens, positions, segments, mode=mode)
+            kl = sum(s["msa"]["kl"].sum() for s in stats if "msa" in s)
+            return jnp.mean(jax.nn.logsumexp(logits, -1)) + kl
+
+        return jax.grad(loss), params
+
+    grad, params = gradient(remat)
+    runs = kernel_calls(jax.make_jaxpr(grad)(params).jaxpr)
+    assert runs == {"msa_select": 2, "msa_lse": forward_runs, "msa_forward": forward_runs,
+                    "msa_backward": 1}  # fmt: skip
+    plain, _ = gradient("none")
+    for g, e in zip(jax.tree.leaves(grad(params)), jax.tree.leaves(plain(params))):
+        np.testing.assert_allclose(g, e, atol=1e-6)
