@@ -12,6 +12,7 @@ a subprocess with 8 (`test_context_parallel_on_8_devices`).
 """
 
 import functools
+import itertools
 import math
 import os
 import re
@@ -63,12 +64,11 @@ def packed_batch() -> dict[str, np.ndarray]:
     positions = np.zeros_like(segments)
     for row, lengths in enumerate(DOCUMENTS):
         starts = np.cumsum([0, *lengths])
-        for doc, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
+        for doc, (start, end) in enumerate(itertools.pairwise(starts)):
             segments[row, start:end], positions[row, start:end] = doc + 1, np.arange(end - start)
     tokens, targets = rng.integers(0, RUN.model.vocab_size, (2, *segments.shape), np.int32)
-    loss_mask = (segments > 0).astype(np.float32)
-    return dict(tokens=tokens, targets=targets, positions=positions, segment_ids=segments,
-                loss_mask=loss_mask)  # fmt: skip
+    return {"tokens": tokens, "targets": targets, "positions": positions,
+            "segment_ids": segments, "loss_mask": (segments > 0).astype(np.float32)}  # fmt: skip
 
 
 def loss_and_grads(mesh=None):
@@ -120,7 +120,9 @@ def test_zigzag_layout_puts_chunks_i_and_2n_minus_1_minus_i_on_device_i():
 
 
 def test_a_row_that_does_not_split_into_2n_chunks_is_refused():
-    with pytest.raises(ValueError, match="sequence length 12 is not a multiple of 2 × mesh.seq = 8"):
+    with pytest.raises(
+        ValueError, match="sequence length 12 is not a multiple of 2 × mesh.seq = 8"
+    ):
         context_parallel.to_balanced(jnp.zeros((1, 12)), mesh_of({"seq": 4}))
 
 
