@@ -33,6 +33,7 @@ heads, K kv heads (= Hi index heads), Dh head dim, Di index head dim.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,9 @@ def balanced_chunks(parts: int) -> np.ndarray:
     return np.array([c for device in range(parts) for c in (device, 2 * parts - 1 - device)])
 
 
-def run_balanced(fn: Callable, mesh: Mesh | None, x: jax.Array, inputs, *rest, layer_axis: bool):
+def run_balanced(
+    fn: Callable, mesh: Mesh | None, x: jax.Array, inputs: Any, *rest, layer_axis: bool
+) -> tuple[jax.Array, Any]:
     """fn(x, inputs, *rest) -> (y, stats), run on the zig-zag layout; returns y and stats in
     natural order.
 
@@ -83,12 +86,12 @@ def run_balanced(fn: Callable, mesh: Mesh | None, x: jax.Array, inputs, *rest, l
     return to_natural(y, mesh), jax.tree.unflatten(tree, leaves)
 
 
-def to_balanced(tree, mesh: Mesh):
+def to_balanced(tree: Any, mesh: Mesh) -> Any:
     """A pytree of [B, S, ...] arrays in natural order -> the zig-zag layout (same shapes)."""
     return _exchanged(tree, mesh, 1, to_balanced=True)
 
 
-def to_natural(tree, mesh: Mesh, axis: int = 1):
+def to_natural(tree: Any, mesh: Mesh, axis: int = 1) -> Any:
     """The inverse of `to_balanced`, for leaves whose sequence is dim `axis` (2 after a layer
     axis: [L, B, S, ...])."""
     return _exchanged(tree, mesh, axis, to_balanced=False)
@@ -101,7 +104,7 @@ def attention(
     queries: tuple[jax.Array, ...],
     head_keys: tuple[jax.Array, ...],
     token_keys: tuple[jax.Array, ...],
-):
+) -> Any:
     """fn(*queries, *head_keys, *token_keys, query_slots) on each device's load-balanced queries
     against the whole row's keys -> fn's outputs, a pytree of [B, S, heads, ...] arrays (or None).
 
