@@ -6,14 +6,16 @@ through stop_gradient (spec/msa.md §2: the LM loss never trains the indexer; it
 scores key blocks and keeps the top-k per (query, index head); query head h uses the selection of
 index head h // G, the same grouping as GQA. During the MSA warm-up (`ForwardMode.msa_dense`) the
 layer attends densely and the indexer learns from the dense attention distribution. `decode` runs
-one new token per row against a KV cache (m3jax/kv_cache.py) with the same projections.
+one new token per row against a KV cache (m3jax/kv_cache.py) with the same projections. On a mesh,
+attention runs per device: on each device's rows (sharding.per_device_rows), or with mesh seq > 1
+on each device's chunks of the queries against the whole row's keys (m3jax/context_parallel.py).
 
 Shapes: B batch, S sequence, D model width, H query heads, K kv heads (= Hi index heads),
 Dh head dim, Di index head dim, R rotary dims.
 """
 
 import dataclasses
-import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from m3jax import attention_ops, decode_attention, params, sharding
+from m3jax import attention_ops, context_parallel, decode_attention, params, sharding
 from m3jax.config import ModelConfig
 from m3jax.kv_cache import LayerCache, write_token
 from m3jax.norms import RMSNorm
@@ -123,9 +125,11 @@ class Attention(nnx.Module):
         p = self.project(x, inputs)
         stats = {}
         if self.indexer is None:
-            dense = functools.partial(attention_ops.dense, self.impl)
-            dense = sharding.per_device_rows(dense, self.mesh, x.shape[0])
-            out = dense(p.q, p.k, p.v, inputs.segment_ids)
+
+            def dense(q, k, v, segment_ids, query_slots=None):
+                return attention_ops.dense(self.impl, q, k, v, segment_ids, query_slots=query_slots)
+
+            out = self._on_devices(dense, (p.q,), (p.k, p.v), (inputs.segment_ids,))
         else:
             out, msa_stats = self._sparse(p, inputs, mode)
             if msa_stats:
@@ -170,6 +174,17 @@ class Attention(nnx.Module):
             return Projections(q, k, v, None, None)
         return Projections(q, k, v, *self.indexer(x, inputs))
 
+    def _on_devices(self, fn: Callable, queries: tuple, head_keys: tuple, token_keys: tuple):
+        """fn(*queries, *head_keys, *token_keys[, query_slots]) on each device: its rows, or its
+        query chunks against the gathered keys (seq > 1; context_parallel.attention)."""
+        if context_parallel.num_parts(self.mesh) > 1:
+            num_kv_heads = head_keys[0].shape[2]
+            return context_parallel.attention(
+                fn, self.mesh, num_kv_heads, queries, head_keys, token_keys
+            )
+        per_device = sharding.per_device_rows(fn, self.mesh, queries[0].shape[0])
+        return per_device(*queries, *head_keys, *token_keys)
+
     def _output(self, out: jax.Array, dtype) -> jax.Array:
         """The output projection in the activation dtype (that of the layer's input)."""
         return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(dtype))
@@ -178,24 +193,32 @@ class Attention(nnx.Module):
         """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""
         msa, segment_ids, positions = self.msa, inputs.segment_ids, inputs.positions
         q, k, v, index_q, index_k = p
-        backend = attention_ops.msa_backend(self.impl, msa, q, k, index_q)
+        backend = attention_ops.msa_backend(
+            self.impl, msa, q, k, index_q,
+            context_parallel=context_parallel.num_parts(self.mesh) > 1,
+        )  # fmt: skip
 
-        def layer(q, k, v, index_q, index_k, segment_ids, positions, student):
-            return attention_ops.msa_layer(
+        def layer(q, index_q, k, v, index_k, segment_ids, positions, query_slots=None):
+            out, kl, blocks = attention_ops.msa_layer(
                 backend, msa, q, k, v, index_q, index_k, segment_ids, positions,
-                dense_phase=mode.msa_dense, student=student,
-                with_blocks=not mode.msa_dense or mode.block_recall,
+                dense_phase=mode.msa_dense,
+                student=(index_q, index_k) if mode.indexer_loss else None,
+                with_blocks=not mode.msa_dense or mode.block_recall, query_slots=query_slots,
             )  # fmt: skip
+            hits = None
+            if mode.block_recall:
+                hits = attention_ops.recall(
+                    backend, msa, q, k, blocks, segment_ids, positions, query_slots
+                )
+            return out, kl, blocks, hits
 
-        student = (index_q, index_k) if mode.indexer_loss else None
-        out, kl, blocks = sharding.per_device_rows(layer, self.mesh, q.shape[0])(
-            q, k, v, index_q, index_k, segment_ids, positions, student
+        out, kl, blocks, hits = self._on_devices(
+            layer, (q, index_q), (k, v), (index_k, segment_ids, positions)
         )
         valid = segment_ids > 0
         stats = {} if blocks is None else {"blocks": blocks}
         if kl is not None:
             stats["kl"] = _mean_over_tokens(kl, valid)
-        if mode.block_recall:
-            hits = attention_ops.recall(backend, msa, q, k, blocks, segment_ids, positions)
+        if hits is not None:
             stats["recall"] = _mean_over_tokens(hits, valid)
         return out, stats

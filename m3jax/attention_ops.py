@@ -11,11 +11,15 @@ one field:
   (pallas_kernels/msa/tpu.py) and jax's splash attention with segment ids for dense attention
   (pallas_kernels/attention/splash.py);
 - "auto" (default): "pallas" on GPUs and TPUs where the kernels apply, else "xla".
+Under context parallelism (mesh seq > 1, m3jax/context_parallel.py) a device's queries are two
+chunks of the row at given slots (`query_slots`), which only the reference and the XLA path take:
+"pallas" and "auto" run the XLA path then, saying so once (`CONTEXT_PARALLEL_FALLBACK`).
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
 head dim.
 """
 
+import warnings
 from types import ModuleType
 
 import jax
@@ -24,7 +28,7 @@ from m3jax.config import MSAConfig
 from pallas_kernels.attention import cudnn as attention_cudnn
 from pallas_kernels.attention import splash as attention_splash
 from pallas_kernels.attention import xla as attention_xla
-from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
+from pallas_kernels.attention.reference import at_query_slots, document_causal_mask, gqa_attention
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
 from pallas_kernels.msa import tpu as msa_tpu
@@ -32,16 +36,30 @@ from pallas_kernels.msa import xla as msa_xla
 from pallas_kernels.msa.reference import Student
 
 MSA_BACKENDS = {"reference": msa_reference, "xla": msa_xla, "pallas": msa_pallas}
+CONTEXT_PARALLEL_FALLBACK = (
+    "context parallelism (mesh seq > 1): attention takes the XLA path, since the {kernels} "
+    "take no query slots"
+)
 
 
 def msa_backend(
-    impl: str, msa: MSAConfig, q: jax.Array, k: jax.Array, index_q: jax.Array
+    impl: str,
+    msa: MSAConfig,
+    q: jax.Array,
+    k: jax.Array,
+    index_q: jax.Array,
+    *,
+    context_parallel: bool = False,
 ) -> ModuleType:
-    """The module that runs an MSA layer with these operands under `attention_impl=impl`."""
+    """The module that runs an MSA layer with these operands under `attention_impl=impl`;
+    context_parallel: the queries come with query slots (module docstring)."""
     if impl in ("reference", "xla"):
         return MSA_BACKENDS[impl]
     platform = jax.default_backend()
     if impl == "auto" and platform not in ("gpu", "tpu"):
+        return msa_xla
+    if context_parallel:
+        _say_fallback("MSA kernels")
         return msa_xla
     kernels = msa_tpu if platform == "tpu" else msa_pallas
     reason = kernels.unsupported_reason(q, k, index_q, block_size=msa.block_size)
@@ -51,16 +69,28 @@ def msa_backend(
 
 
 def dense(
-    impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal=True
+    impl: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    causal=True,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
     """Attention within documents -> out [B, S, H, Dh]: causal for full-attention layers,
-    bidirectional within each segment (one image or video chunk) for the ViT."""
+    bidirectional within each segment (one image or video chunk) for the ViT. query_slots: [S],
+    the queries' slots in the key row (segment_ids [B, T]); None: S = T."""
     if impl == "reference":
-        mask = segment_ids[:, :, None] == segment_ids[:, None, :]
+        query_segments = at_query_slots(segment_ids, query_slots)
+        mask = query_segments[:, :, None] == segment_ids[:, None, :]
         if causal:
-            mask = document_causal_mask(segment_ids)
+            mask = document_causal_mask(segment_ids, query_slots)
         return gqa_attention(q, k, v, mask[:, None, None])
-    if impl in ("pallas", "auto"):
+    if query_slots is not None and impl in ("pallas", "auto"):
+        if jax.default_backend() in ("gpu", "tpu"):
+            _say_fallback("cuDNN and splash kernels")
+    elif impl in ("pallas", "auto"):
         kernels = attention_splash if jax.default_backend() == "tpu" else attention_cudnn
         reason = kernels.unsupported_reason(q, k)
         # on a CPU, "pallas" interprets the MSA kernels; cuDNN and splash have no interpreter
@@ -68,7 +98,14 @@ def dense(
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
             return kernels.dense_attention(q, k, v, segment_ids, causal=causal)
-    return attention_xla.dense_attention(q, k, v, segment_ids, causal=causal)[0]
+    return attention_xla.dense_attention(
+        q, k, v, segment_ids, causal=causal, query_slots=query_slots
+    )[0]
+
+
+def _say_fallback(kernels: str) -> None:
+    """One line, once per kind of kernel (Python shows a repeated warning once)."""
+    warnings.warn(CONTEXT_PARALLEL_FALLBACK.format(kernels=kernels), stacklevel=3)
 
 
 def msa_layer(
@@ -85,27 +122,32 @@ def msa_layer(
     dense_phase: bool,
     student: Student,
     with_blocks: bool,
+    query_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """One MSA layer's attention -> (out [B, S, H, Dh], KL [B, S, Hi] or None, blocks or None).
 
     dense_phase: the MSA warm-up — attend densely, the KL teacher is the dense distribution. While
-    every query has at most topk_blocks blocks (S <= topk_blocks · block_size) sparse attention is
+    every query has at most topk_blocks blocks (T <= topk_blocks · block_size) sparse attention is
     dense attention, so the dense path runs then too. with_blocks: also return the selection
-    [B, S, Hi, k] (always computed when the layer attends sparsely).
+    [B, S, Hi, k] (always computed when the layer attends sparsely). query_slots: [S] the
+    queries' slots in the row of T keys (k, v, index_k, segment_ids, positions); None: S = T.
     """
-    sparse = not dense_phase and q.shape[1] > msa.topk_blocks * msa.block_size
+    sparse = not dense_phase and k.shape[1] > msa.topk_blocks * msa.block_size
+    # only context parallelism passes query slots: backends without them keep their signature
+    slots = {} if query_slots is None else {"query_slots": query_slots}
     blocks = None
     if sparse or with_blocks:
         blocks = backend.top_blocks(
             index_q, index_k, segment_ids, positions, block_size=msa.block_size,
-            topk_blocks=msa.topk_blocks, local_blocks=msa.local_blocks,
+            topk_blocks=msa.topk_blocks, local_blocks=msa.local_blocks, **slots,
         )  # fmt: skip
     if sparse:
         out, kl = backend.sparse_attention(
-            q, k, v, blocks, segment_ids, positions, block_size=msa.block_size, student=student
-        )
+            q, k, v, blocks, segment_ids, positions, block_size=msa.block_size, student=student,
+            **slots,
+        )  # fmt: skip
     else:
-        out, kl = backend.dense_attention(q, k, v, segment_ids, student=student)
+        out, kl = backend.dense_attention(q, k, v, segment_ids, student=student, **slots)
     return out, kl, blocks
 
 
@@ -117,6 +159,10 @@ def recall(
     blocks: jax.Array,
     segment_ids: jax.Array,
     positions: jax.Array,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
     """Share of the dense teacher's top blocks that the selection kept -> [B, S, K] fp32."""
-    return backend.block_recall(q, k, blocks, segment_ids, positions, block_size=msa.block_size)
+    slots = {} if query_slots is None else {"query_slots": query_slots}
+    return backend.block_recall(
+        q, k, blocks, segment_ids, positions, block_size=msa.block_size, **slots
+    )

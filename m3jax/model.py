@@ -8,6 +8,9 @@ the trunk; only `normed_with_mtp` (training) runs them, so inference and export 
 plain model. It stops at the final norms, before the lm_head, whose product the training loss
 computes in token chunks (pretrain/chunked_loss.py).
 `decode` appends one token per row to a KV cache (generation, m3jax/generation.py).
+With mesh seq > 1 the layers run on the load-balanced (zig-zag) layout of the sequence
+(m3jax/context_parallel.py): the trunk permutes its input once and restores natural order after
+the last layer, so the loss, MTP and every returned per-token statistic see natural order.
 `Functional` wraps it for pure `jax.jit` code: parameters and buffers are plain nested dicts of
 arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph inside
 the traced function.
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from m3jax import params
+from m3jax import context_parallel, params
 from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStack
@@ -60,7 +63,7 @@ class M3Model(nnx.Module):
         if config.vision is not None:
             self.vision = VisionTower(config, rngs=rngs)
             self.projector = Projector(config, rngs=rngs)
-        self.config = config
+        self.config, self.mesh = config, mesh
 
     def __call__(
         self,
@@ -115,14 +118,21 @@ class M3Model(nnx.Module):
     def _trunk(self, tokens, positions, segment_ids, vision, mode, output_hidden_states):
         """(input embeddings, last layer output before the final norm, attention inputs, stats)."""
         config = self.config
-        embeddings = x = self.embeddings(tokens, vision)
+        embeddings = self.embeddings(tokens, vision)
         cos, sin = rope_tables(positions, config.rotary_dim, config.rope_theta)
         inputs = AttentionInputs(positions, segment_ids, cos, sin)
+        x, stats = context_parallel.run_balanced(
+            self._layers, self.mesh, embeddings, inputs, mode, output_hidden_states, layer_axis=True
+        )
+        return embeddings, x, inputs, stats
+
+    def _layers(self, x, inputs, mode, output_hidden_states):
+        """Every layer stack in order -> (last output, stats per stack)."""
         stats = []
         for stack in self.stacks:
             x, stack_stats = stack(x, inputs, mode, output_hidden_states=output_hidden_states)
             stats.append(stack_stats)
-        return embeddings, x, inputs, stats
+        return x, stats
 
     def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """One new text token per row, tokens [B, 1] at positions cache.lengths -> (logits [B, V]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from m3jax import params
+from m3jax import context_parallel, params
 from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.decoder import DecoderLayer
@@ -56,6 +56,7 @@ class MTPModule(nnx.Module):
         kind = config.layer_types[-1], config.mlp_layer_types[-1]
         self.layer = DecoderLayer(config, *kind, rngs=rngs, mesh=mesh)
         self.final_norm = RMSNorm(dim, eps)
+        self.mesh = mesh
 
     def __call__(
         self, embeddings: jax.Array, hidden: jax.Array, inputs: AttentionInputs, mode: ForwardMode
@@ -64,7 +65,10 @@ class MTPModule(nnx.Module):
         the decoder layer's stats)."""
         x = jnp.concatenate([self.embed_norm(embeddings), self.hidden_norm(hidden)], axis=-1)
         x = jnp.einsum("bse,ed->bsd", x, self.projection[...].astype(x.dtype))
-        return self.layer(x, inputs, mode)
+        # its own zig-zag round trip (mesh seq > 1): the shifts above need natural order
+        return context_parallel.run_balanced(
+            self.layer, self.mesh, x, inputs, mode, layer_axis=False
+        )
 
 
 class MultiTokenPrediction(nnx.Module):

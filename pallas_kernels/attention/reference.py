@@ -2,6 +2,9 @@
 
 Shapes: B batch, S queries, T keys, H query heads, K kv heads, G = H // K, Dh head dim.
 Query head h reads kv head h // G (contiguous groups, as transformers' `repeat_kv`).
+Query slots: queries are tokens of the key row. By default query i is the token in slot i (S = T);
+`query_slots` [S] names each query's slot instead, so a device of a context-parallel mesh
+(m3jax/context_parallel.py) can attend with its own chunks of the row against all of its keys.
 """
 
 import jax
@@ -33,9 +36,17 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)
 
 
-def document_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, S] segment ids -> [B, S, S] bool: key j visible to query i iff j <= i, same segment."""
-    seq = segment_ids.shape[-1]
-    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+def document_causal_mask(segment_ids: jax.Array, query_slots: jax.Array | None = None) -> jax.Array:
+    """[B, T] segment ids -> [B, S, T] bool: key j visible to query i iff j <= i's slot and both
+    are in the same segment. query_slots: [S] int, each query's slot (None: slots 0..T-1)."""
+    num_keys = segment_ids.shape[-1]
+    slots = jnp.arange(num_keys) if query_slots is None else query_slots
+    causal = slots[:, None] >= jnp.arange(num_keys)[None, :]
+    query_segments = at_query_slots(segment_ids, query_slots)
+    same_segment = query_segments[:, :, None] == segment_ids[:, None, :]
     return causal[None] & same_segment
+
+
+def at_query_slots(x: jax.Array, query_slots: jax.Array | None) -> jax.Array:
+    """Per-key values [B, T, ...] -> those of the queries [B, S, ...] (x itself when None)."""
+    return x if query_slots is None else jnp.take(x, query_slots, axis=1)

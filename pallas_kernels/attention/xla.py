@@ -7,13 +7,16 @@ compute a distillation KL from the attention distribution (averaged over each GQ
 student's softmax — the MSA indexer's dense warm-up objective (spec/msa.md §2).
 
 Equivalent to `reference.gqa_attention(q, k, v, document_causal_mask(segment_ids))` (or, with
-causal=False, to the same-segment mask: the ViT's).
-Shapes: B batch, S queries, T keys (= S), H query heads, K kv heads, G = H // K, Dh head dim,
+causal=False, to the same-segment mask: the ViT's). With `query_slots` the queries are the tokens
+at those slots of the key row (reference.py), as a context-parallel device's chunks are.
+Shapes: B batch, S queries, T keys (= S without query slots), H query heads, K kv heads, G = H // K, Dh head dim,
 Hi student heads (= K), Di student dim, Tq query tile.
 """
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.attention.reference import at_query_slots
 
 NEG_INF = jnp.finfo(jnp.float32).min
 
@@ -27,32 +30,33 @@ def dense_attention(
     student: tuple[jax.Array, jax.Array] | None = None,
     query_tile: int = 64,
     causal: bool = True,
+    query_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal attention within documents; optionally the KL to a student over the same keys.
 
     Args:
-      q: [B, S, H, Dh]; k, v: [B, S, K, Dh]; segment_ids: [B, S] (queries and keys share the row).
-      student: (index_q [B, S, Hi, Di], index_k [B, S, Di]) with Hi = K, or None. The student's
+      q: [B, S, H, Dh]; k, v: [B, T, K, Dh]; segment_ids: [B, T] (queries and keys share the row).
+      student: (index_q [B, S, Hi, Di], index_k [B, T, Di]) with Hi = K, or None. The student's
         distribution for query i, head h is softmax_j(index_q[i, h] · index_k[j] · Di^-½) over the
         keys query i sees; the teacher is the attention distribution averaged over group h's heads
         (stop_gradient). Gradients of the KL reach only the student's inputs.
       query_tile: queries per tile; S is padded up to a multiple of it.
       causal: False attends to every key of the same segment (the ViT's segments: one image or
         video chunk each).
+      query_slots: [S] int32, the slot of each query in the key row; None: S = T, slots 0..S-1.
     Returns:
       out [B, S, H, Dh] and KL(teacher ‖ student) [B, S, Hi] fp32 (None without a student).
     """
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     tile = min(query_tile, seq)
-    num_tiles = -(-seq // tile)
     q_tiles = grouped_query_tiles(q, num_kv_heads, tile)
-    segment_tiles = query_tiles(segment_ids, tile, fill=-1)  # padded queries match no key
+    # padded queries match no key
+    segment_tiles = query_tiles(at_query_slots(segment_ids, query_slots), tile, fill=-1)
     student_tiles = None if student is None else query_tiles(student[0], tile)
 
     def attend_tile(args):
-        index, q_tile, segment_tile, student_q = args
-        slots = index * tile + jnp.arange(tile)
+        slots, q_tile, segment_tile, student_q = args
         visible = visible_keys(slots, segment_tile, segment_ids, causal=causal)  # [B, Tq, T]
         logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
@@ -66,10 +70,9 @@ def dense_attention(
         )
         return out, distillation_kl(probs.mean(axis=3), student_logits, visible[:, :, None])
 
-    tile_ids = jnp.arange(num_tiles)
     out, kl = jax.lax.map(
         jax.checkpoint(attend_tile, prevent_cse=False),
-        (tile_ids, q_tiles, segment_tiles, student_tiles),
+        (slot_tiles(query_slots, seq, tile), q_tiles, segment_tiles, student_tiles),
     )
     out = untile(out, seq).reshape(batch, seq, num_heads, head_dim)
     return out, None if kl is None else untile(kl, seq)
@@ -112,6 +115,15 @@ def query_tiles(x: jax.Array, tile: int, fill=0) -> jax.Array:
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
     x = x.reshape(x.shape[0], -1, tile, *x.shape[2:])
     return jnp.moveaxis(x, 1, 0)
+
+
+def slot_tiles(query_slots: jax.Array | None, seq: int, tile: int) -> jax.Array:
+    """[num_tiles, tile] int32: the key-row slot of each query of each tile (padding past the
+    last query: 0 with query_slots, the next slots without; padded queries see no key anyway)."""
+    if query_slots is None:
+        num_tiles = -(-seq // tile)
+        return jnp.arange(num_tiles * tile).reshape(num_tiles, tile)
+    return query_tiles(query_slots[None], tile)[:, 0]
 
 
 def untile(x: jax.Array, seq: int) -> jax.Array:

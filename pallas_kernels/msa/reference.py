@@ -10,14 +10,23 @@ per row starting at slot 0 is exactly transformers' layout. Keys of other docume
 to the index scores and to attention.
 
 Block ids are per document (0 = the document's first block); `positions` (0 at each document's
-first token) locate them. Shapes: B batch, S queries, T keys (= S here), Hi index heads, Di index
-head dim, H query heads, K kv heads (= Hi), Dh head dim, k selected blocks per query.
+first token) locate them.
+
+Query slots (every function's optional `query_slots` [S]): the queries are the tokens at those
+slots of the key row, S <= T, e.g. a context-parallel device's two chunks against the keys
+gathered from every device (m3jax/context_parallel.py). `segment_ids` and `positions` are then the
+key row's [B, T]; a query's own come from its slot. Each query's result equals that of the same
+token with all T queries. None (the default): the queries are slots 0..T-1, computed exactly as
+without the argument.
+
+Shapes: B batch, S queries, T keys (= S without query slots), Hi index heads, Di index head dim,
+H query heads, K kv heads (= Hi), Dh head dim, k selected blocks per query.
 """
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
+from pallas_kernels.attention.reference import at_query_slots, document_causal_mask, gqa_attention
 
 Student = tuple[jax.Array, jax.Array] | None  # (index_q [B, S, Hi, Di], index_k [B, S, Di])
 
@@ -40,13 +49,15 @@ def select_blocks(
     block_size: int,
     topk_blocks: int,
     local_blocks: int,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
     """Top-k key blocks per (query, index head) by block-max score, local blocks forced.
 
     Args:
       scores: [B, Hi, S, T] fp32 token scores from `index_scores`.
-      segment_ids: [B, S] document ids (keys and queries share the row).
-      positions: [B, S] position within the document (0 at its first token).
+      segment_ids: [B, T] document ids (keys and queries share the row).
+      positions: [B, T] position within the document (0 at its first token).
+      query_slots: [S] int32 or None (module docstring).
     Returns:
       [B, S, Hi, min(topk_blocks, ceil(T / block_size))] int32 document block ids; -1 marks
       padding (a query with fewer visible blocks than topk_blocks). Only the set of valid ids is
@@ -55,7 +66,7 @@ def select_blocks(
     """
     num_keys = scores.shape[-1]
     num_blocks = -(-num_keys // block_size)
-    visible = document_causal_mask(segment_ids)[:, None]  # [B, 1, S, T]
+    visible = document_causal_mask(segment_ids, query_slots)[:, None]  # [B, 1, S, T]
     scores = jnp.where(visible, scores, -jnp.inf)
 
     def block_max(row_scores, row_blocks):  # [Hi, S, T], [T] -> [Hi, S, nb]
@@ -63,7 +74,7 @@ def select_blocks(
         return jnp.moveaxis(jax.ops.segment_max(by_key, row_blocks, num_blocks), 0, -1)
 
     block_scores = jax.vmap(block_max)(scores, key_blocks(positions, block_size))
-    own_block = key_blocks(positions, block_size)  # [B, S]
+    own_block = key_blocks(at_query_slots(positions, query_slots), block_size)  # [B, S]
     block_ids = jnp.arange(num_blocks)
     forced = jnp.zeros(own_block.shape + (num_blocks,), bool)
     for offset in range(local_blocks):
@@ -88,11 +99,15 @@ def selection_mask(block_indices: jax.Array, positions: jax.Array, *, block_size
 
 
 def attended_keys(
-    block_indices: jax.Array | None, segment_ids: jax.Array, positions: jax.Array, block_size: int
+    block_indices: jax.Array | None,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    block_size: int,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
     """[B, K, S, T] bool: the keys each query attends to — its selected blocks' keys, causal, within
     its document; every causal key of its document when `block_indices` is None (dense)."""
-    visible = document_causal_mask(segment_ids)[:, None]
+    visible = document_causal_mask(segment_ids, query_slots)[:, None]
     if block_indices is None:
         return visible
     return visible & selection_mask(block_indices, positions, block_size=block_size)
@@ -107,11 +122,12 @@ def top_blocks(
     block_size: int,
     topk_blocks: int,
     local_blocks: int,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
     """Selected blocks [B, S, Hi, k] straight from the index projections (see `select_blocks`).
 
-    index_q: [B, S, Hi, Di] and index_k: [B, S, Di] after norm and RoPE; segment_ids, positions:
-    [B, S]. No gradient flows through the selection.
+    index_q: [B, S, Hi, Di] and index_k: [B, T, Di] after norm and RoPE; segment_ids, positions:
+    [B, T]; query_slots: [S] or None. No gradient flows through the selection.
     """
     scores = index_scores(*jax.lax.stop_gradient((index_q, index_k)))
     return select_blocks(
@@ -121,6 +137,7 @@ def top_blocks(
         block_size=block_size,
         topk_blocks=topk_blocks,
         local_blocks=local_blocks,
+        query_slots=query_slots,
     )
 
 
@@ -134,18 +151,19 @@ def sparse_attention(
     *,
     block_size: int,
     student: Student = None,
+    query_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Exact GQA attention of each query over its group's selected blocks, causal, within documents.
 
     Args:
-      q: [B, S, H, Dh]; k, v: [B, S, K, Dh] with K = Hi; block_indices: [B, S, Hi, k] from
-        `top_blocks`; segment_ids, positions: [B, S].
-      student: (index_q [B, S, Hi, Di], index_k [B, S, Di]) or None: also return the indexer's
+      q: [B, S, H, Dh]; k, v: [B, T, K, Dh] with K = Hi; block_indices: [B, S, Hi, k] from
+        `top_blocks`; segment_ids, positions: [B, T]; query_slots: [S] or None.
+      student: (index_q [B, S, Hi, Di], index_k [B, T, Di]) or None: also return the indexer's
         KL(teacher ‖ student) over the selected keys (`indexer_kl`).
     Returns:
       out [B, S, H, Dh], and KL [B, S, Hi] fp32 or None.
     """
-    attended = attended_keys(block_indices, segment_ids, positions, block_size)
+    attended = attended_keys(block_indices, segment_ids, positions, block_size, query_slots)
     out = gqa_attention(q, k, v, attended[:, :, None])  # the G heads of a group share a mask
     if student is None:
         return out, None
@@ -183,10 +201,11 @@ def dense_attention(
     segment_ids: jax.Array,
     *,
     student: Student = None,
+    query_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Causal attention within documents (the MSA warm-up, and MSA whenever S <= k·block_size);
+    """Causal attention within documents (the MSA warm-up, and MSA whenever T <= k·block_size);
     with a student, also the indexer's KL over every causal key of the query's document."""
-    attended = document_causal_mask(segment_ids)[:, None]
+    attended = document_causal_mask(segment_ids, query_slots)[:, None]
     out = gqa_attention(q, k, v, attended[:, :, None])
     if student is None:
         return out, None
@@ -201,14 +220,15 @@ def block_recall(
     positions: jax.Array,
     *,
     block_size: int,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
     """Share of the dense teacher's top-k blocks (by attention mass) kept by the selection.
 
     Returns [B, S, K] fp32."""
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
-    num_blocks = -(-seq // block_size)
-    visible = document_causal_mask(segment_ids)  # [B, S, T]
+    num_blocks = -(-k.shape[1] // block_size)
+    visible = document_causal_mask(segment_ids, query_slots)  # [B, S, T]
     grouped = q.reshape(batch, seq, num_kv_heads, num_heads // num_kv_heads, head_dim)
     logits = jnp.einsum("bskgd,btkd->bkgst", grouped, k, preferred_element_type=jnp.float32)
     logits = jnp.where(visible[:, None, None], logits * head_dim**-0.5, -jnp.inf)

@@ -16,20 +16,23 @@ d = a·block + r splits every fixed row block c into keys before slot c·block +
 block c - a - 1) and the rest (document block c - a); `_document_blocks` reduces the two parts and
 regroups them per query, so no per-key gather is needed to find a query's blocks.
 
-Semantics equal `reference.py`. Shapes: B batch, S queries (= T keys), H query heads, K kv heads
-(= Hi index heads), G = H // K, Dh head dim, Di index head dim, Tq query tile, k = selected blocks
-per query.
+Semantics equal `reference.py`, `query_slots` included (the queries at given slots of the key row:
+a context-parallel device's chunks). Shapes: B batch, S queries (= T keys without query slots),
+H query heads, K kv heads (= Hi index heads), G = H // K, Dh head dim, Di index head dim, Tq query
+tile, k = selected blocks per query.
 """
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention.reference import at_query_slots
 from pallas_kernels.attention.xla import (
     NEG_INF,
     dense_attention,
     distillation_kl,
     grouped_query_tiles,
     query_tiles,
+    slot_tiles,
     untile,
     visible_keys,
 )
@@ -73,19 +76,19 @@ def top_blocks(
     topk_blocks: int,
     local_blocks: int,
     query_tile: int = 128,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
-    """Selected document blocks [B, S, Hi, min(topk_blocks, ceil(S / block_size))] int32, -1 = none.
+    """Selected document blocks [B, S, Hi, min(topk_blocks, ceil(T / block_size))] int32, -1 = none.
 
     Same arguments and result as `reference.top_blocks`.
     """
     index_q, index_k = jax.lax.stop_gradient((index_q, index_k))
     batch, seq, num_index_heads, _ = index_q.shape
-    num_blocks = -(-seq // block_size)
+    num_blocks = -(-index_k.shape[1] // block_size)
     tile = min(query_tile, seq)
 
     def select_tile(args):
-        index, q_tile, segment_tile, position_tile = args
-        slots = index * tile + jnp.arange(tile)
+        slots, q_tile, segment_tile, position_tile = args
         scores = jnp.einsum("bqhd,btd->bqht", q_tile, index_k, preferred_element_type=jnp.float32)
         visible = visible_keys(slots, segment_tile, segment_ids)
         scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
@@ -102,12 +105,19 @@ def top_blocks(
         return jnp.where(values == -jnp.inf, -1, indices).astype(jnp.int32)
 
     xs = (
-        jnp.arange(-(-seq // tile)),
+        slot_tiles(query_slots, seq, tile),
         query_tiles(index_q, tile),
-        query_tiles(segment_ids, tile, fill=-1),
-        query_tiles(positions, tile),
+        *_query_tiles(segment_ids, positions, query_slots, tile),
     )
     return untile(jax.lax.map(select_tile, xs), seq)
+
+
+def _query_tiles(segment_ids, positions, query_slots, tile):
+    """The queries' segment ids (padding: -1, no document) and positions, in query tiles."""
+    return (
+        query_tiles(at_query_slots(segment_ids, query_slots), tile, fill=-1),
+        query_tiles(at_query_slots(positions, query_slots), tile),
+    )
 
 
 def sparse_attention(
@@ -121,25 +131,25 @@ def sparse_attention(
     block_size: int,
     student: Student = None,
     query_tile: int = 64,
+    query_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Each query head attends over its group's selected blocks, causally, within its document.
 
     Same arguments and results as `reference.sparse_attention`.
     """
     batch, seq, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    num_keys, num_kv_heads = k.shape[1:3]
     tile = min(query_tile, seq)
     segment_ids = jnp.asarray(segment_ids)  # gathered at traced indices below (NumPy can't)
     batch_ids = jnp.arange(batch)[:, None, None, None, None]
     head_ids = jnp.arange(num_kv_heads)[None, None, :, None, None]
 
     def attend_tile(args):
-        index, q_tile, segment_tile, position_tile, indices, student_q = args
-        slots = index * tile + jnp.arange(tile)
+        slots, q_tile, segment_tile, position_tile, indices, student_q = args
         starts = (slots - position_tile)[..., None, None] + jnp.maximum(indices, 0) * block_size
         key_slots = starts[..., None] + jnp.arange(block_size)  # [B, Tq, K, k, block]
-        inside = (key_slots >= 0) & (key_slots < seq)
-        safe = jnp.clip(key_slots, 0, seq - 1)
+        inside = (key_slots >= 0) & (key_slots < num_keys)
+        safe = jnp.clip(key_slots, 0, num_keys - 1)
         visible = (
             (indices[..., None] >= 0)
             & inside
@@ -166,10 +176,9 @@ def sparse_attention(
         return out, distillation_kl(probs.mean(axis=3), student_logits, visible)
 
     xs = (
-        jnp.arange(-(-seq // tile)),
+        slot_tiles(query_slots, seq, tile),
         grouped_query_tiles(q, num_kv_heads, tile),
-        query_tiles(segment_ids, tile, fill=-1),
-        query_tiles(positions, tile),
+        *_query_tiles(segment_ids, positions, query_slots, tile),
         query_tiles(block_indices, tile, fill=-1),
         None if student is None else query_tiles(student[0], tile),
     )
@@ -187,6 +196,7 @@ def block_recall(
     *,
     block_size: int,
     query_tile: int = 64,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
     """Fraction of the dense teacher's top blocks that the selection contains, [B, S, K] fp32.
 
@@ -202,8 +212,7 @@ def block_recall(
     tile = min(query_tile, seq)
 
     def recall_tile(args):
-        index, q_tile, segment_tile, position_tile, indices = args
-        slots = index * tile + jnp.arange(tile)
+        slots, q_tile, segment_tile, position_tile, indices = args
         visible = visible_keys(slots, segment_tile, segment_ids)
         logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
@@ -219,10 +228,9 @@ def block_recall(
         return hit.sum(-1) / jnp.maximum(wanted.sum(-1), 1)
 
     xs = (
-        jnp.arange(-(-seq // tile)),
+        slot_tiles(query_slots, seq, tile),
         grouped_query_tiles(q, num_kv_heads, tile),
-        query_tiles(segment_ids, tile, fill=-1),
-        query_tiles(positions, tile),
+        *_query_tiles(segment_ids, positions, query_slots, tile),
         query_tiles(block_indices, tile, fill=-1),
     )
     return untile(jax.lax.map(recall_tile, xs), seq)
