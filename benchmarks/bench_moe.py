@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import trace_summary
-from m3jax import sharding
+from m3jax import sharding, xla_flags
 from m3jax.config import ModelConfig, MoEConfig
 from m3jax.moe import MoE
 from pallas_kernels.moe import mosaic_gpu, reference
@@ -72,16 +72,14 @@ VARIANTS = [
     ("ragged_dot", reference.grouped_matmul, GROUPED_REF),
     ("capacity einsum", capacity_einsum, capacity_einsum),
 ]
-if jax.default_backend() == "gpu":
-    VARIANTS.append(("mosaic_gpu", mosaic_gpu_grouped, GROUPED_REF))
+GPU_VARIANTS = [("mosaic_gpu", mosaic_gpu_grouped, GROUPED_REF)]  # joined in main on a GPU
 try:  # tokamax's Pallas Mosaic GPU ragged_dot (Hopper): measured as a candidate GPU kernel
     import tokamax
 
     def tokamax_ragged_dot(x, w, group_sizes):
         return tokamax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
 
-    if jax.default_backend() == "gpu":
-        VARIANTS.append((f"tokamax {tokamax.__version__}", tokamax_ragged_dot, GROUPED_REF))
+    GPU_VARIANTS.append((f"tokamax {tokamax.__version__}", tokamax_ragged_dot, GROUPED_REF))
 except ImportError:
     pass
 FULL = dict(
@@ -475,6 +473,9 @@ def table_line(row: dict) -> str:
 
 
 def main() -> None:
+    xla_flags.apply()  # before the first backend starts
+    if jax.default_backend() == "gpu":
+        VARIANTS.extend(GPU_VARIANTS)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU run-through")
     parser.add_argument("--experts", type=int, nargs="+", help="local experts (matmuls)")

@@ -9,7 +9,7 @@ layer attends densely and the indexer learns from the dense attention distributi
 one new token per row against a KV cache (m3jax/kv_cache.py) with the same projections.
 
 Shapes: B batch, S sequence, D model width, H query heads, K kv heads (= Hi index heads),
-Dh head dim, Di index head dim, R rotary dims.
+Dh head dim, Di index head dim; `rotary_dim` rotated channels.
 """
 
 import dataclasses
@@ -43,8 +43,8 @@ class AttentionInputs(NamedTuple):
 
     positions: jax.Array  # [B, S] position within the document
     segment_ids: jax.Array  # [B, S] document id; 0 = padding
-    rope_cos: jax.Array  # [B, S, R] fp32
-    rope_sin: jax.Array  # [B, S, R] fp32
+    rope_cos: jax.Array  # [B, S, rotary_dim] fp32
+    rope_sin: jax.Array  # [B, S, rotary_dim] fp32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,48 +1,47 @@
 """Expert parallelism: routed experts sharded over the `expert` mesh axis, tokens exchanged.
 
 Inside `jax.shard_map` over the whole mesh each device holds a shard of the tokens (rows over the
-`batch` axes data, fsdp, expert; sequence over `seq`: the RULES of m3jax/sharding.py) and E/P of
-the experts (P = size of the `expert` axis; device p owns experts p·E/P … (p+1)·E/P - 1). Tokens
-travel to the devices owning their experts, the local experts run, results travel back. Routing
-and attention stay outside: for them the expert axis is one more data-parallel axis, and the
-router statistics (computed outside) are global. The shared expert
-(`Beside`: work on the device's own tokens) may come inside, so that XLA can schedule its matmuls
-beside the all-to-alls, even within the padded exchange's branch; its weights are then whole on
-every device.
+`batch` axes data, fsdp, expert; sequence over `seq`: the RULES of m3jax/sharding.py) and E/Ep of
+the experts (Ep = size of the `expert` axis; device p owns experts p·E/Ep … (p+1)·E/Ep - 1).
+Tokens travel to the devices owning their experts, the local experts run, results travel back.
+Routing and attention stay outside: for them the expert axis is one more data-parallel axis, and
+the router statistics (computed outside) are global. The shared expert (`Beside`: work on the
+device's own tokens) may come inside, so that XLA can schedule its matmuls beside the all-to-alls,
+even within the padded exchange's branch; its weights are then whole on every device.
 
 Exchanges, by `model.moe.dispatch`:
 - dropless, `moe.exchange: padded` (default): each token travels once to each device owning any
   of its k experts, with its expert ids and routing weights, however many of them that device
   owns (`_padded_round_trip`); the device sorts the (token, choice) rows it received by expert,
   runs its experts, sums each token's weighted outputs and sends one row per token back, where
-  the partial sums of the P devices add up. `jax.lax.all_to_all` moves fixed blocks of
+  the partial sums of the Ep devices add up. `jax.lax.all_to_all` moves fixed blocks of
   `padded_blocks(...)` tokens per device pair, zero-padded; the local experts take a fixed
   number of rows. In a step where some block or some device's rows would overflow, every device
   takes the branch sized for the worst case instead (a `lax.cond` on a global max), so no row is
   ever dropped. The branch holds everything done on the device, `Beside` work included. With
-  k = 4 of E = 32 experts on P = 2 devices a token has 2 rows for each device on average but is
+  k = 4 of E = 32 experts on Ep = 2 devices a token has 2 rows for each device on average but is
   sent once (0.47 of the rows' traffic); the price is one more rounding of the partial sums to the
   activations' dtype than on one device (measured: benchmarks/RESULTS.md).
 - dropless, `moe.exchange: ragged`: the (token, expert) rows sorted by expert as on one device
   (moe_dispatch.py), `jax.lax.ragged_all_to_all` of exactly the rows each device needs (exact
-  too). The receive buffer has a static size, the worst case P · N · min(k, E/P) rows
+  too). The receive buffer has a static size, the worst case Ep · N · min(k, E/Ep) rows
   (every token of every device picking this device's experts). XLA:CPU does not implement
   ragged-all-to-all (jax 0.11.2: "UNIMPLEMENTED: HLO opcode `ragged-all-to-all`"): on the CPU
   backend an all_gather-based equivalent with the same arguments and result runs instead.
 - capacity: `jax.lax.all_to_all` of the fixed [E, C, D] capacity buffers (C per expert and source
   device, moe_dispatch.capacity over the device's N tokens), one batched einsum over the
-  [E/P, P·C, D] buffers received, the same all_to_all back. Rows past C are dropped and counted.
+  [E/Ep, Ep·C, D] buffers received, the same all_to_all back. Rows past C are dropped and counted.
 Gradients come from autodiff through the collectives (their transposes are the reverse exchanges).
 The expert weights enter the map as they are stored (`EXPERT_WEIGHT_AXES` through sharding.RULES:
-E over `expert`, D over `fsdp`, F over `tensor`), so a device receives only its E/P experts'
+E over `expert`, D over `fsdp`, F over `tensor`), so a device receives only its E/Ep experts'
 shards; inside, it all-gathers the fsdp/tensor shards of its own experts (`_gathered`), whose
 transpose reduce-scatters their gradients. Gathering on entry instead would make every device
-hold, and all-reduce the gradients of, E/P whole experts (with mesh.expert = 1: all E of them).
+hold, and all-reduce the gradients of, E/Ep whole experts (with mesh.expert = 1: all E of them).
 With mesh.tensor > 1 every tensor rank repeats its group's expert work (no tensor parallelism
 inside the experts yet).
 
 Shapes: B batch, S sequence, N = B·S tokens on a device, k experts per token, R = N·k rows,
-D model width, E experts (all), P expert-parallel devices, C capacity.
+D model width, E experts (all), Ep expert-parallel devices (the `expert` axis), C capacity.
 """
 
 import functools
@@ -91,9 +90,9 @@ def padded_blocks(
     """(the usual sizes, the worst case) for N = `num_tokens` tokens per device.
 
     Usual: `factor` times what a device pair and a device need under balanced routing, a token
-    reaching a given peer unless all its k distinct choices miss that peer's E/P experts
-    (probability Π_{i<k} (E - E/P - i) / (E - i)), and a device receiving N·k rows. Worst: every
-    token to every peer, with min(k, E/P) rows each.
+    reaching a given peer unless all its k distinct choices miss that peer's E/Ep experts
+    (probability Π_{i<k} (E - E/Ep - i) / (E - i)), and a device receiving N·k rows. Worst: every
+    token to every peer, with min(k, E/Ep) rows each.
     """
     local = num_experts // parts
     worst = Blocks(num_tokens, parts * num_tokens * min(k, local))
@@ -211,7 +210,7 @@ def _routed_on_device(
     emulate_ragged: bool,
     stored: ExpertWeights,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """One device's shard: x [B/…, S/…, D], chosen and weights [.., .., k]; E/P local experts,
+    """One device's shard: x [B/…, S/…, D], chosen and weights [.., .., k]; E/Ep local experts,
     sharded as `stored` (PartitionSpecs) says."""
     shape, k = x.shape, chosen.shape[-1]
     parts = jax.lax.axis_size(EXPERT_AXIS)
@@ -306,17 +305,17 @@ def _padded_branches(padded, usual: Blocks, worst: Blocks, fits: jax.Array):
 
 
 def _owned_by(chosen: jax.Array, local_experts: int) -> jax.Array:
-    """[N, k] expert ids -> [N, k, P] bool: whether choice j of token t is on device p."""
+    """[N, k] expert ids -> [N, k, Ep] bool: whether choice j of token t is on device p."""
     owner = chosen // local_experts
     return owner[:, :, None] == jnp.arange(jax.lax.axis_size(EXPERT_AXIS), dtype=owner.dtype)
 
 
 def _blocks_fit(owned_by: jax.Array, blocks: Blocks, token_axes) -> jax.Array:
     """Whether no device sends any peer more than blocks.tokens tokens, nor receives more than
-    blocks.rows rows (bool, the same on every device). owned_by: `_owned_by`'s [N, k, P]."""
+    blocks.rows rows (bool, the same on every device). owned_by: `_owned_by`'s [N, k, Ep]."""
     tokens_per_peer = owned_by.any(1).sum(0, dtype=jnp.int32)
     rows_per_peer = owned_by.sum((0, 1), dtype=jnp.int32)
-    rows_received = jax.lax.psum(rows_per_peer, EXPERT_AXIS)  # [P]: by each device of my group
+    rows_received = jax.lax.psum(rows_per_peer, EXPERT_AXIS)  # [Ep]: by each device of my group
     overflow = (tokens_per_peer.max() > blocks.tokens) | (rows_received.max() > blocks.rows)
     return jax.lax.pmax(overflow.astype(jnp.int32), token_axes) == 0
 
@@ -326,9 +325,9 @@ def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
 
 
 def _exchange_counts(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[E] rows per expert -> ([P] rows this device sends each peer, [P(source), E/P] rows it
+    """[E] rows per expert -> ([Ep] rows this device sends each peer, [Ep(source), E/Ep] rows it
     receives from each source for each local expert)."""
-    counts = group_sizes.reshape(jax.lax.axis_size(EXPERT_AXIS), -1)  # [P, E/P]
+    counts = group_sizes.reshape(jax.lax.axis_size(EXPERT_AXIS), -1)  # [Ep, E/Ep]
     return counts.sum(1), jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)
 
 
@@ -366,7 +365,7 @@ def _ragged_exchange(
 def expert_major_order(recv_counts: jax.Array, source_starts: jax.Array, num_rows: int) -> RowOrder:
     """How received rows regroup from source-major to expert-major order (both ways).
 
-    recv_counts: [P, E_local], rows from source s for local expert j; source s's rows start at
+    recv_counts: [Ep, E_local], rows from source s for local expert j; source s's rows start at
     source_starts[s] in the buffer of `num_rows`, as blocks (s, 0), (s, 1), ... back to back; any
     other row is padding. The row of block (s, j) at offset r goes to sorted position
     start_j + Σ_{s'<s} counts[s', j] + r; padding rows get none (position num_rows).
@@ -398,28 +397,30 @@ def _padded_round_trip(
     blocks: Blocks,
 ) -> tuple[jax.Array, jax.Array]:
     """[N, D] tokens, [N, k] expert ids and weights -> (routed output [N, D], 0 rows dropped),
-    each token sent once to each device owning some of its experts (visits [N, P]: whether it
+    each token sent once to each device owning some of its experts (visits [N, Ep]: whether it
     goes to device p; `blocks` must fit).
 
-    A visit is a (token, peer) pair, numbered token · P + peer; it takes the next free slot of
-    the [P, blocks.tokens] send blocks. Tokens go out and partial sums come back by one gather
+    A visit is a (token, peer) pair, numbered token · Ep + peer; it takes the next free slot of
+    the [Ep, blocks.tokens] send blocks. Tokens go out and partial sums come back by one gather
     each way (`expand_tokens`, `permute_rows`: gathers in backward too).
     """
     parts, me = jax.lax.axis_size(EXPERT_AXIS), jax.lax.axis_index(EXPERT_AXIS)
     num_tokens, k = chosen.shape
     num_slots = parts * blocks.tokens
     slot = jnp.arange(parts, dtype=jnp.int32) * blocks.tokens + jnp.cumsum(visits, 0) - 1
-    visit_slot = jnp.where(visits, slot, num_slots).astype(jnp.int32).reshape(-1)  # [N·P]
-    slot_visit = inverse_permutation(visit_slot, num_slots)  # [P·T], N·P where empty
+    visit_slot = jnp.where(visits, slot, num_slots).astype(jnp.int32).reshape(-1)  # [N·Ep]
+    slot_visit = inverse_permutation(visit_slot, num_slots)  # [Ep·blocks.tokens], N·Ep: empty
 
     def exchange(a: jax.Array) -> jax.Array:
         blocked = a.reshape(parts, blocks.tokens, *a.shape[1:])
         return jax.lax.all_to_all(blocked, EXPERT_AXIS, 0, 0, tiled=True).reshape(a.shape)
 
-    received = exchange(expand_tokens(x, slot_visit, visit_slot, parts))  # [P·T, D]
+    received = exchange(expand_tokens(x, slot_visit, visit_slot, parts))  # [Ep·blocks.tokens, D]
     received_weights = exchange(expand_tokens(weights, slot_visit, visit_slot, parts))
     sent_experts = chosen.at[slot_visit // parts].get(mode="fill", fill_value=-1)
-    local = exchange(sent_experts) - me * local_experts  # [P·T, k]; others' and gaps' out of range
+    local = (
+        exchange(sent_experts) - me * local_experts
+    )  # [Ep·blocks.tokens, k]; others' and gaps' out of range
     local = jnp.where((local >= 0) & (local < local_experts), local, local_experts)
     rows = sort_rows(local, local_experts + 1)  # the last group: choices not on this device
     rows = SortedRows(
@@ -428,7 +429,9 @@ def _padded_round_trip(
         rows.expert_ids[: blocks.rows],
         rows.group_sizes[:local_experts],
     )
-    partial_sums = combine(pairs_ffn(received, rows, k, ffn), received_weights)  # [P·T, D]
+    partial_sums = combine(
+        pairs_ffn(received, rows, k, ffn), received_weights
+    )  # [Ep·blocks.tokens, D]
     returned = exchange(partial_sums)
     per_visit = permute_rows(returned, visit_slot, slot_visit).reshape(num_tokens, parts, -1)
     return per_visit.sum(1, dtype=jnp.float32).astype(x.dtype), jnp.zeros((), jnp.int32)
@@ -451,14 +454,14 @@ def _ragged_all_to_all_by_gather(
 ):
     """`jax.lax.ragged_all_to_all`'s result, built from all_gathers (for XLA:CPU, which lacks it).
 
-    Every device gathers every operand (P times the traffic) and scatters the slices addressed to
+    Every device gathers every operand (Ep times the traffic) and scatters the slices addressed to
     it: source s's rows input_offsets[s][me] … + send_sizes[s][me] land at output_offsets[s][me].
     """
     del recv_sizes  # implied by the senders' send_sizes
     me = jax.lax.axis_index(EXPERT_AXIS)
-    operands = jax.lax.all_gather(operand, EXPERT_AXIS)  # [P, M_in, ...]
+    operands = jax.lax.all_gather(operand, EXPERT_AXIS)  # [Ep, rows, ...]
     start, size, dest = (
-        jax.lax.all_gather(a, EXPERT_AXIS)[:, me]  # [P]: what each source sends me
+        jax.lax.all_gather(a, EXPERT_AXIS)[:, me]  # [Ep]: what each source sends me
         for a in (input_offsets, send_sizes, output_offsets)
     )
     row = jnp.arange(operand.shape[0])
@@ -474,7 +477,7 @@ def _capacity_exchange(buffers: jax.Array, *, local) -> jax.Array:
     num_experts, size, dim = buffers.shape
     local_experts = num_experts // parts
     sent = buffers.reshape(parts, local_experts * size, dim)
-    received = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True)  # [P(source), E/P·C, D]
+    received = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True)  # [Ep(source), E/Ep·C, D]
     received = received.reshape(parts, local_experts, size, dim).transpose(1, 0, 2, 3)
     y = local(received.reshape(local_experts, parts * size, dim))
     y = y.reshape(local_experts, parts, size, dim).transpose(1, 0, 2, 3)

@@ -12,7 +12,7 @@ computes in token chunks (pretrain/chunked_loss.py).
 arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph inside
 the traced function.
 
-Shapes: B batch, S sequence, D model width, V vocab, P patches, M merged feature rows.
+Shapes: B batch, S sequence, D model width, V vocab, P patches (P / m² merged feature rows).
 """
 
 import dataclasses

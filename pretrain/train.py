@@ -29,6 +29,7 @@ import yaml
 from tqdm import tqdm
 
 from data.mm_documents import DataError
+from m3jax import xla_flags
 from m3jax.config_loading import to_mapping
 from m3jax.model import functional
 from pretrain.checkpoint_recovery import SaveRetry
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.config).stem}")
 
     def command() -> int:
+        xla_flags.apply()  # XLA reads them when the first backend starts
         initialize(args)  # before anything touches a device
         summary = train(load_run_config(args.config, args.overrides), run_dir)
         return 128 + summary["stopped_by_signal"] if summary["stopped_by_signal"] else 0
