@@ -12,7 +12,7 @@
    backward, dropless and capacity dispatch; TFLOP/s of useful work and MFU vs --peak-tflops.
 3. With --ep P: the same layer with P× the tokens and P× the experts over P devices, i.e. the same
    tokens and local experts per device as in 2, per EP exchange (dropless: ragged or padded,
-   m3jax/expert_parallel.py; capacity): per-device throughput
+   m3jax/moe/expert_parallel.py; capacity): per-device throughput
    against 1 device ("vs 1 dev" = 1-device time / EP time), and the error of the EP output and
    gradients against each device's token shard run through the layer alone on one device (capacity
    is per device, so this holds with drops too).
@@ -37,7 +37,7 @@ from flax import nnx
 from benchmarks import trace_summary
 from m3jax import sharding, xla_flags
 from m3jax.config import ModelConfig, MoEConfig
-from m3jax.moe import MoE
+from m3jax.moe.layer import MoE
 from pallas_kernels.moe import mosaic_gpu, reference
 from pallas_kernels.moe.tiles import from_tiles, tile_layout, to_tiles
 

@@ -20,7 +20,7 @@ from m3jax.attention import Attention, AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.kv_cache import LayerCache
 from m3jax.mlp import MLP
-from m3jax.moe import MoE
+from m3jax.moe.layer import MoE
 from m3jax.norms import RMSNorm
 from m3jax.stacking import scan_layers, stacked_layers
 

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.tiles import TileLayout
+from pallas_kernels.shard_map import vary_like
 
 BLOCK_M = 128  # rows per tile: the layout's granularity and the wgmma M of one warpgroup
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -234,19 +235,6 @@ def tiled_matmul(
     """
     w = vary_like(w.astype(x.dtype), x)
     return _tiled_matmul(vary_like(x, w), w, layout, tiling)
-
-
-def _varying_axes(x: jax.Array) -> frozenset:
-    return jax.typeof(x).mat.varying
-
-
-def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """x, typed as varying over the manual mesh axes `like` varies over (inside `shard_map`).
-
-    Kernels drop the type, so it is restored around them; expert_parallel.py also uses it to give
-    the expert weights the rows' type once, before any branch (see `_padded_branches`)."""
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

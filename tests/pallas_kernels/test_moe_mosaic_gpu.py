@@ -12,7 +12,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.test_util import check_grads
 
-from m3jax.moe_dispatch import ExpertWeights, grouped_ffn, grouped_matmul_impl
+from m3jax.moe.local import ExpertWeights, grouped_ffn, grouped_matmul_impl
 from pallas_kernels.moe import mosaic_gpu, reference
 from pallas_kernels.moe.tiles import (
     from_tiles,
@@ -205,7 +205,7 @@ def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes, exch
 
     from m3jax import sharding
     from m3jax.config import ModelConfig, MoEConfig
-    from m3jax.moe import MoE
+    from m3jax.moe.layer import MoE
 
     moe = MoEConfig(
         num_experts=4, experts_per_token=2, expert_dim=128, grouped_matmul="mosaic_gpu",

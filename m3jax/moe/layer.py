@@ -1,15 +1,14 @@
-"""M3's mixture-of-experts block: sigmoid router with correction bias, top-k, one shared expert.
+"""M3's mixture-of-experts layer: the router (router.py), the routed experts, one shared expert.
 
-spec/m3_architecture.md §3.6: s = sigmoid(router logits) in fp32; experts are *chosen* by s + bias
-but *weighted* by s renormalised over the chosen k; routed sum × routed_scaling + shared expert.
-The bias is a Buffer: the trainer moves it toward balanced load (aux-loss-free balancing), never the
-optimizer. How the chosen experts compute is `model.moe.dispatch` (m3jax/moe_dispatch.py: dropless
-grouped matmul, capacity buffers, or the dense reference). Given a mesh, dropless and capacity run
-inside `shard_map` with the experts sharded over its `expert` axis (m3jax/expert_parallel.py); the
-dense reference stays one global computation that XLA partitions. Routing and the statistics stay
-outside, in the global view, so the expert loads the trainer sees are global.
+spec/m3_architecture.md §3.6: routed sum × routed_scaling + shared expert. How the chosen experts
+compute is `model.moe.dispatch` (local.py: dropless grouped matmul, capacity buffers, or the dense
+reference). Given a mesh, dropless and capacity run inside `shard_map` with the experts sharded over
+its `expert` axis (expert_parallel.py, with one file per exchange); the dense reference stays one
+global computation that XLA partitions. Routing and the statistics stay outside, in the global
+view, so the expert loads the trainer sees are global.
 
-Shapes: N tokens, D model width, E experts, F expert width, k experts per token.
+Shapes: B batch, S sequence, N = B·S tokens, D model width, E experts, F expert width, k experts
+per token.
 """
 
 import functools
@@ -19,35 +18,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from m3jax import expert_parallel, params
+from m3jax import params, sharding
 from m3jax.config import ModelConfig
 from m3jax.mlp import MLP, swiglu_mlp, swigluoai
-from m3jax.moe_dispatch import (
+from m3jax.moe import expert_parallel
+from m3jax.moe.local import (
+    EXPERT_WEIGHT_AXES,
     ExpertWeights,
     dense_experts,
     grouped_matmul_impl,
     local_ffn,
     sorted_experts,
 )
-
-
-def route(
-    router_logits: jax.Array, bias: jax.Array, k: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[N, E] fp32 logits -> (chosen expert ids [N, k], weights [N, k] summing to 1, scores [N, E])."""
-    scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
-    _, chosen = jax.lax.top_k(scores + bias, k)  # the bias only decides *which* experts
-    weights = jnp.take_along_axis(scores, chosen, axis=-1)
-    return chosen, weights / weights.sum(-1, keepdims=True), scores
-
-
-def balanced_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
-    """Moves each expert's bias by ±rate toward the mean load (DeepSeek-V3's aux-loss-free rule).
-
-    bias, load: [..., E] (leading axes = stacked layers); load counts tokens routed per expert.
-    """
-    mean = load.mean(axis=-1, keepdims=True)
-    return bias + rate * jnp.sign(mean - load)
+from m3jax.moe.router import route
 
 
 class MoE(nnx.Module):
@@ -57,7 +40,7 @@ class MoE(nnx.Module):
         experts = moe.num_experts
         self.router = params.normal(rngs, (dim, experts), ("embed", None), std)
         self.correction_bias = params.zeros_buffer((experts,), (None,))
-        axes = expert_parallel.EXPERT_WEIGHT_AXES
+        axes = EXPERT_WEIGHT_AXES
         self.gate_proj = params.normal(rngs, (experts, dim, moe.expert_dim), axes.gate, std)
         self.up_proj = params.normal(rngs, (experts, dim, moe.expert_dim), axes.up, std)
         self.down_proj = params.normal(rngs, (experts, moe.expert_dim, dim), axes.down, std)
@@ -69,10 +52,7 @@ class MoE(nnx.Module):
             std=std,
             rngs=rngs,
         )
-        self.k, self.routed_scaling = moe.experts_per_token, moe.routed_scaling
-        self.dispatch, self.capacity_factor = moe.dispatch, moe.capacity_factor
-        self.grouped_matmul = moe.grouped_matmul
-        self.exchange, self.exchange_factor = moe.exchange, moe.exchange_factor
+        self.config = moe
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.mesh = mesh
 
@@ -85,54 +65,51 @@ class MoE(nnx.Module):
         included; 0 unless dispatch is "capacity"), and exchange_worst_case, 1.0 when the padded
         expert-parallel exchange needed its worst-case blocks in this call (else 0).
         """
-        shape, dtype = x.shape, x.dtype
+        moe, shape, dtype = self.config, x.shape, x.dtype
         tokens = x.reshape(-1, shape[-1])  # [N, D]
         logits = tokens.astype(jnp.float32) @ self.router[...]  # router in fp32 on every path
-        chosen, weights, scores = route(logits, self.correction_bias[...], self.k)
+        chosen, weights, scores = route(logits, self.correction_bias[...], moe.experts_per_token)
         experts = ExpertWeights(
             *(w[...].astype(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         )
         activation = functools.partial(swigluoai, alpha=self.alpha, limit=self.limit)
-        num_experts, dropped = scores.shape[-1], jnp.zeros((), jnp.int32)
-        worst_case, shared = jnp.zeros((), jnp.float32), None
-        impl = grouped_matmul_impl(self.grouped_matmul, dtype, *experts.gate.shape[1:])
-        if self.dispatch == "dense":
+        dropped, worst_case, shared = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32), None
+        impl = grouped_matmul_impl(moe.grouped_matmul, dtype, *experts.gate.shape[1:])
+        if moe.dispatch == "dense":
             routed = dense_experts(tokens, chosen, weights, experts, activation)
         elif self.mesh is None:
             routed, dropped = sorted_experts(
                 tokens,
                 chosen,
                 weights,
-                num_experts,
+                moe.num_experts,
                 local_ffn(experts, activation, impl),
-                dispatch=self.dispatch,
-                capacity_factor=self.capacity_factor,
+                dispatch=moe.dispatch,
+                capacity_factor=moe.capacity_factor,
             )
         else:
+            per_token = (*shape[:-1], moe.experts_per_token)
             routed, dropped, worst_case, shared = expert_parallel.routed_experts(
                 self.mesh,
                 x,
-                chosen.reshape(*shape[:-1], self.k),
-                weights.reshape(*shape[:-1], self.k),
+                chosen.reshape(per_token),
+                weights.reshape(per_token),
                 experts,
                 activation,
-                dispatch=self.dispatch,
-                capacity_factor=self.capacity_factor,
+                moe,
                 grouped_matmul=impl,
-                exchange=self.exchange,
-                exchange_factor=self.exchange_factor,
                 beside=self._shared_expert_in_exchange(dtype),
             )
         if shared is None:
             shared = self.shared_expert(tokens)
-        out = self.routed_scaling * routed.reshape(tokens.shape) + shared.reshape(tokens.shape)
+        out = moe.routed_scaling * routed.reshape(tokens.shape) + shared.reshape(tokens.shape)
 
         mask = token_mask.reshape(-1, 1).astype(jnp.float32)
-        load = jnp.zeros((num_experts,), jnp.float32).at[chosen].add(mask)
+        load = jnp.zeros((moe.num_experts,), jnp.float32).at[chosen].add(mask)
         stats = {
             "load": load,  # tokens routed to each expert
             "score_share": (scores / scores.sum(-1, keepdims=True) * mask).sum(0),
-            "experts": chosen.reshape(*shape[:-1], self.k),
+            "experts": chosen.reshape(*shape[:-1], moe.experts_per_token),
             "dropped_fraction": dropped.astype(jnp.float32) / chosen.size,
             "exchange_worst_case": worst_case,
         }
@@ -142,7 +119,8 @@ class MoE(nnx.Module):
         """The shared expert as work inside the expert-parallel map, where XLA can run it beside
         the all-to-alls; None (outside, as GSPMD shards it) without an exchange (mesh.expert 1)
         or where the mesh splits its width (`tensor`), which the map would undo."""
-        if self.mesh.shape["expert"] == 1 or self.mesh.shape["tensor"] > 1:
+        mesh = self.mesh.shape
+        if mesh[sharding.EXPERT_AXIS] == 1 or mesh[sharding.TENSOR_AXIS] > 1:
             return None
         fn = functools.partial(swiglu_mlp, alpha=self.alpha, limit=self.limit)
         return expert_parallel.Beside(fn, self.shared_expert.weights(dtype))
