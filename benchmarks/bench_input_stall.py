@@ -59,6 +59,7 @@ import time
 import jax
 
 from data.mm_documents import DataError
+from m3jax import xla_flags
 from m3jax.config_loading import ConfigError
 from m3jax.model import functional
 from pretrain.checkpointing import Checkpoints
@@ -72,6 +73,7 @@ MIN_LOOP_STEPS = 10  # --time-budget keeps at least this many: one metrics fetch
 
 
 def main(argv: list[str] | None = None) -> int:
+    xla_flags.apply()  # before the first backend starts
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML run config")
     parser.add_argument("--steps", type=int, default=30, help="steady steps of the real loop")

@@ -12,7 +12,7 @@
    backward, dropless and capacity dispatch; TFLOP/s of useful work and MFU vs --peak-tflops.
 3. With --ep P: the same layer with P× the tokens and P× the experts over P devices, i.e. the same
    tokens and local experts per device as in 2, per EP exchange (dropless: ragged or padded,
-   m3jax/expert_parallel.py; capacity): per-device throughput
+   m3jax/moe/expert_parallel.py; capacity): per-device throughput
    against 1 device ("vs 1 dev" = 1-device time / EP time), and the error of the EP output and
    gradients against each device's token shard run through the layer alone on one device (capacity
    is per device, so this holds with drops too).
@@ -35,9 +35,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import trace_summary
-from m3jax import sharding
+from m3jax import sharding, xla_flags
 from m3jax.config import ModelConfig, MoEConfig
-from m3jax.moe import MoE
+from m3jax.moe.layer import MoE
 from pallas_kernels.moe import mosaic_gpu, reference
 from pallas_kernels.moe.tiles import from_tiles, tile_layout, to_tiles
 
@@ -72,16 +72,14 @@ VARIANTS = [
     ("ragged_dot", reference.grouped_matmul, GROUPED_REF),
     ("capacity einsum", capacity_einsum, capacity_einsum),
 ]
-if jax.default_backend() == "gpu":
-    VARIANTS.append(("mosaic_gpu", mosaic_gpu_grouped, GROUPED_REF))
+GPU_VARIANTS = [("mosaic_gpu", mosaic_gpu_grouped, GROUPED_REF)]  # joined in main on a GPU
 try:  # tokamax's Pallas Mosaic GPU ragged_dot (Hopper): measured as a candidate GPU kernel
     import tokamax
 
     def tokamax_ragged_dot(x, w, group_sizes):
         return tokamax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
 
-    if jax.default_backend() == "gpu":
-        VARIANTS.append((f"tokamax {tokamax.__version__}", tokamax_ragged_dot, GROUPED_REF))
+    GPU_VARIANTS.append((f"tokamax {tokamax.__version__}", tokamax_ragged_dot, GROUPED_REF))
 except ImportError:
     pass
 FULL = dict(
@@ -475,6 +473,9 @@ def table_line(row: dict) -> str:
 
 
 def main() -> None:
+    xla_flags.apply()  # before the first backend starts
+    if jax.default_backend() == "gpu":
+        VARIANTS.extend(GPU_VARIANTS)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU run-through")
     parser.add_argument("--experts", type=int, nargs="+", help="local experts (matmuls)")

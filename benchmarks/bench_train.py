@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import trace_summary
+from m3jax import xla_flags
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain.config import load_run_config
@@ -107,6 +108,7 @@ def matmul_tflops(size: int, repeats: int = 20) -> float:
 
 
 def main() -> None:
+    xla_flags.apply()  # before the first backend starts
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     parser.add_argument("--variants", nargs="+", default=[""])

@@ -11,7 +11,7 @@ attention runs per device: on each device's rows (sharding.per_device_rows), or 
 on each device's chunks of the queries against the whole row's keys (m3jax/context_parallel.py).
 
 Shapes: B batch, S sequence, D model width, H query heads, K kv heads (= Hi index heads),
-Dh head dim, Di index head dim, R rotary dims.
+Dh head dim, Di index head dim; `rotary_dim` rotated channels.
 """
 
 import dataclasses
@@ -45,8 +45,8 @@ class AttentionInputs(NamedTuple):
 
     positions: jax.Array  # [B, S] position within the document
     segment_ids: jax.Array  # [B, S] document id; 0 = padding
-    rope_cos: jax.Array  # [B, S, R] fp32
-    rope_sin: jax.Array  # [B, S, R] fp32
+    rope_cos: jax.Array  # [B, S, rotary_dim] fp32
+    rope_sin: jax.Array  # [B, S, rotary_dim] fp32
 
 
 @dataclasses.dataclass(frozen=True)

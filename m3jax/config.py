@@ -12,14 +12,14 @@ MLP_TYPES = ("dense", "sparse")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
-MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe_dispatch.py
+MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe/local.py
 GROUPED_MATMUL_IMPLS = (
     "auto",
     "xla",
     "mosaic_gpu",
     "megablox",
-)  # m3jax/moe_dispatch.grouped_matmul_impl
-EP_EXCHANGES = ("padded", "ragged")  # m3jax/expert_parallel.py, dropless dispatch
+)  # m3jax/moe/local.grouped_matmul_impl
+EP_EXCHANGES = ("padded", "ragged")  # m3jax/moe/padded.py, ragged.py; dropless dispatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,7 +57,7 @@ class MoEConfig:
     shared_expert_dim: int = 3072
     routed_scaling: float = 2.0
     # Aux-loss-free balancing: after each step, bias_e += rate * clip((mean - load_e) / mean, ±1)
-    # (m3jax/moe.py balanced_bias). 3e-2 recovered a skewed 32-expert router fastest on CPU; the
+    # (m3jax/moe/router.py balanced_bias). 3e-2 recovered a skewed 32-expert router fastest on CPU; the
     # released M3 shape uses 1e-3 (configs/m3.yaml). README, "Expert balance".
     bias_update_rate: float = 3e-2
     balance_loss_weight: float = 0.0  # optional auxiliary load-balance loss; 0 disables it
@@ -73,7 +73,7 @@ class MoEConfig:
     grouped_matmul: str = "auto"
     # dropless with mesh.expert > 1: how tokens travel. padded = each token once to each device
     # owning some of its experts, in fixed-size all_to_all blocks of exchange_factor × the tokens a
-    # device pair exchanges under uniform routing (expert_parallel.padded_blocks), worst-case sizes
+    # device pair exchanges under uniform routing (moe/padded.padded_blocks), worst-case sizes
     # only in steps where they would overflow; ragged = jax.lax.ragged_all_to_all of exactly the
     # (token, expert) rows (slower on GPUs: benchmarks/RESULTS.md). Both drop nothing.
     exchange: str = "padded"

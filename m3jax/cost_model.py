@@ -16,8 +16,9 @@ lm_head, not the embedding lookup, of the routed experts (arrays with an "expert
 chosen of E; one MTP module adds its own weights and the shared lm_head. A ViT patch: the tower and
 the projector's per-patch MLP; one merged m×m window: the projector's merge MLP.
 
-Shapes: H query heads, Dh head dim, Hi index heads, Di index head dim, n document length, k·B keys
-kept; Hv, Dhv the ViT's heads and head dim; B batch rows, S sequence, P patch budget.
+Shapes: H query heads, Dh head dim, Hi index heads, Di index head dim, `length` a document's tokens,
+topk_blocks·block_size keys kept; Hv, Dhv the ViT's heads and head dim; B batch rows, S sequence,
+P patch budget.
 """
 
 import dataclasses

@@ -8,7 +8,7 @@ those blocks' keys and values — topk_blocks · block_size slots per kv head, w
 length — and attends exactly over them. Rows are right-padded, so slot = position (kv_cache.py).
 
 Shapes: B batch, T cache slots, H query heads, K kv heads (= Hi index heads), G = H / K, Dh head
-dim, Di index head dim, k selected blocks.
+dim, Di index head dim, topk_blocks selected blocks.
 """
 
 import jax
@@ -62,22 +62,22 @@ def sparse(
     positions: jax.Array,
     block_size: int,
 ) -> jax.Array:
-    """Exact attention of q [B, 1, H, Dh] over its group's selected blocks [B, K, k] of the
-    cached keys, values [B, T, K, Dh], causal at positions [B] -> [B, 1, H, Dh]. Reads only the
-    selected blocks (a -1 entry re-reads the query's own block, masked)."""
+    """Exact attention of q [B, 1, H, Dh] over its group's selected blocks [B, K, topk_blocks] of
+    the cached keys, values [B, T, K, Dh], causal at positions [B] -> [B, 1, H, Dh]. Reads only
+    the selected blocks (a -1 entry re-reads the query's own block, masked)."""
     batch, _, num_kv_heads, _ = keys.shape
     own_block = (positions // block_size)[:, None, None]  # always selected: -1 slots read it
     read = jnp.where(blocks >= 0, blocks, own_block)
     slots = (read[..., None] * block_size + jnp.arange(block_size)).reshape(
         batch, num_kv_heads, -1
-    )  # [B, K, k·block_size]
-    # [B, k·block_size, K]: the gathers land in keys' layout (a transposed gather sent XLA:CPU's
-    # bf16 dot down a path it does not implement: BF16 x BF16 = F32)
+    )  # [B, K, topk_blocks·block_size]
+    # [B, topk_blocks·block_size, K]: the gathers land in keys' layout (a transposed gather sent
+    # XLA:CPU's bf16 dot down a path it does not implement: BF16 x BF16 = F32)
     by_slot = slots.transpose(0, 2, 1)
     rows = jnp.arange(batch)[:, None, None]
     heads = jnp.arange(num_kv_heads)[None, None, :]
-    gathered_keys = keys[rows, by_slot, heads]  # [B, k·block_size, K, Dh]
+    gathered_keys = keys[rows, by_slot, heads]  # [B, topk_blocks·block_size, K, Dh]
     gathered_values = values[rows, by_slot, heads]
-    chosen = jnp.repeat(blocks >= 0, block_size, axis=-1)  # [B, K, k·block_size]
+    chosen = jnp.repeat(blocks >= 0, block_size, axis=-1)  # [B, K, topk_blocks·block_size]
     visible = chosen & (slots <= positions[:, None, None])
     return gqa_attention(q, gathered_keys, gathered_values, visible[:, :, None, None, :])

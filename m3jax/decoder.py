@@ -6,7 +6,8 @@ Consecutive layers of the same kind form a LayerStack whose parameters carry a l
 axis and which runs under `lax.scan` (m3jax/stacking.py), so compile time does not grow with depth
 (M3: 3 + 57 layers, two stacks). `decode` runs one new token per row against the stack's KV cache.
 
-Shapes: B batch, S sequence, D model width, Hi index heads, k selected blocks / chosen experts.
+Shapes: B batch, S sequence, D model width, Hi index heads, k experts per token, topk_blocks
+selected blocks per query (words, never letters: spec/msa.md's K and B).
 """
 
 import jax
@@ -19,7 +20,7 @@ from m3jax.attention import Attention, AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.kv_cache import LayerCache
 from m3jax.mlp import MLP
-from m3jax.moe import MoE
+from m3jax.moe.layer import MoE
 from m3jax.norms import RMSNorm
 from m3jax.stacking import scan_layers, stacked_layers
 
@@ -58,9 +59,9 @@ class DecoderLayer(nnx.Module):
         """x: [B, S, D] -> ([B, S, D], stats).
 
         stats: {"moe": expert statistics} on MoE layers and {"msa": {"blocks": selected key blocks
-        [B, S, Hi, k], plus "kl" / "recall" as `mode` asks}} on MSA layers; with mode.kv_cache
-        also "cache" (the layer's keys, values and index keys). Under jit, entries nobody reads
-        cost nothing (dead-code eliminated).
+        [B, S, Hi, topk_blocks], plus "kl" / "recall" as `mode` asks}} on MSA layers; with
+        mode.kv_cache also "cache" (the layer's keys, values and index keys). Under jit, entries
+        nobody reads cost nothing (dead-code eliminated).
         """
         attention_out, stats = self.attention(self.input_norm(x), inputs, mode)
         return self._feed_forward(x + attention_out, inputs, stats)

@@ -6,7 +6,8 @@ The vision arguments are converted on the host into static-shape `VisionInputs`
 `forward_with_trace` also returns what transformers can be asked for layer by layer (hidden states,
 MSA block selections, router choices), indexed by transformers' global layer numbers.
 
-Shapes: B batch, S sequence, D width, V vocab, Hi index heads, k selected blocks / experts.
+Shapes: B batch, S sequence, D width, V vocab, Hi index heads, k experts per token,
+topk_blocks selected blocks per query.
 """
 
 import functools
@@ -62,8 +63,8 @@ def forward_with_trace(
     patch_budget: int | None = None,
 ) -> tuple[jax.Array, dict]:
     """`forward`, plus a trace: {"hidden_states": [L + 1] x [B, S, D] (the first layer's input,
-    then every layer's output), "blocks": {layer: [B, S, Hi, k]} on MSA layers (-1 = none),
-    "experts": {layer: [B, S, k]} on MoE layers}."""
+    then every layer's output), "blocks": {layer: [B, S, Hi, topk_blocks]} on MSA layers (-1 =
+    none), "experts": {layer: [B, S, k]} on MoE layers}."""
     tokens, positions, segment_ids, vision = _inputs(
         config, input_ids, positions, segment_ids, patch_budget,
         pixel_values=pixel_values, image_grid_thw=image_grid_thw,

@@ -39,5 +39,5 @@ def swiglu_mlp(
     x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *, alpha: float, limit: float
 ) -> jax.Array:
     """x [..., D] -> [..., D] through one swigluoai MLP, as a function of its weights (so that it
-    can run where modules can't, inside `shard_map`: m3jax/expert_parallel.py)."""
+    can run where modules can't, inside `shard_map`: m3jax/moe/expert_parallel.py)."""
     return swigluoai(x @ gate, x @ up, alpha, limit) @ down

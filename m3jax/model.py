@@ -15,7 +15,7 @@ the last layer, so the loss, MTP and every returned per-token statistic see natu
 arrays (what Orbax saves and optax updates), and `apply` merges them into the module graph inside
 the traced function.
 
-Shapes: B batch, S sequence, D model width, V vocab, P patches, M merged feature rows.
+Shapes: B batch, S sequence, D model width, V vocab, P patches (P / m² merged feature rows).
 """
 
 import dataclasses
@@ -32,7 +32,7 @@ from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStack
 from m3jax.kv_cache import KVCache
-from m3jax.moe import balanced_bias
+from m3jax.moe.router import balanced_bias
 from m3jax.mtp import MultiTokenPrediction
 from m3jax.norms import RMSNorm
 from m3jax.projector import Projector
@@ -259,7 +259,7 @@ def functional(config: ModelConfig, mesh: Mesh | None = None) -> Functional:
     """Traces the module structure once (abstractly) and returns its functional form.
 
     mesh: the devices `apply` runs on, when its MoE layers should run expert-parallel (over the
-    mesh's `expert` axis, m3jax/expert_parallel.py); None runs them as on one device.
+    mesh's `expert` axis, m3jax/moe/expert_parallel.py); None runs them as on one device.
     """
     model = nnx.eval_shape(lambda: M3Model(config, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, param_state, buffer_state = nnx.split(model, nnx.Param, params.Buffer)

@@ -5,7 +5,7 @@ consecutive patches of a merge window (the block-major patch order of m3jax/visi
 concatenated channel-wise and fused by a second MLP (merge_1 -> GELU -> merge_2). All four layers
 have biases; GELU is the exact erf form.
 
-Shapes: P patches, Dv vision width, Pj projector hidden width, D text width, m spatial merge size.
+Shapes: P patches, Dv vision width, F projector hidden width, D text width, m spatial merge size.
 """
 
 import jax

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "expert", "seq", "tensor")
+DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, SEQ_AXIS, TENSOR_AXIS = "data", "fsdp", "expert", "seq", "tensor"
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, SEQ_AXIS, TENSOR_AXIS)
 
 RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp", "expert")),  # outside the experts, the expert axis is data parallel
@@ -111,7 +112,7 @@ def per_device_rows(fn, mesh: Mesh | None, rows: int):
         return fn
     rows_spec = PartitionSpec(axes)
     # check_vma off: every operand and result is split over the same axes (kernels inside drop
-    # the varying type, see pallas_kernels/moe/mosaic_gpu.vary_like)
+    # the varying type, see pallas_kernels/shard_map.vary_like)
     return jax.shard_map(fn, mesh=mesh, in_specs=rows_spec, out_specs=rows_spec, check_vma=False)
 
 

@@ -1,17 +1,18 @@
 """M3's vision tower: a pre-LN ViT over packed patches, with 3-D axial RoPE (spec §4).
 
-Patch embedding = Conv3d(C -> Dv, kernel = stride = (T, P, P)) applied to a row of pixel_values,
-i.e. a matmul over the C·T·P·P = 1176 row features (ordered c, t, y, x); then pre-LayerNorm (no
-absolute position embedding, no post-LayerNorm) and `num_layers` encoder layers:
+Patch embedding = Conv3d(3 channels -> Dv, kernel = stride = (temporal_patch_size, patch_size,
+patch_size)) applied to a row of pixel_values, i.e. a matmul over the patch_dim = 3·2·14² = 1176
+row features (ordered c, t, y, x); then pre-LayerNorm (no absolute position embedding, no
+post-LayerNorm) and `num_layers` encoder layers:
 x += out_proj(MHA(RoPE(q(LN1 x)), RoPE(k(LN1 x)), v(LN1 x))); x += fc2(GELU(fc1(LN2 x))).
 Attention is bidirectional and confined to one segment: one image, or one video chunk (a row of
-grid_thw). Patches come in N rows (one per training row; one row for transformers-style inputs) of a
-fixed patch budget P, with a segment id per patch (0 = padding, so shapes stay static under jit);
+grid_thw). Patches come in B rows (one per training row; one row for transformers-style inputs) of
+a fixed patch budget P, with a segment id per patch (0 = padding, so shapes stay static under jit);
 attention never leaves a segment (attention_ops.dense, causal=False: query-tiled XLA, or cuDNN's
 packed flash attention on GPU), so its cost is Σ segment², and its memory never [P, P].
 
-Shapes: N rows, P patches per row, Dv vision width, H vision heads, Dh vision head dim, F MLP width,
-R rotary dims.
+Shapes: B rows, P patches per row, Dv vision width, H vision heads, Dh vision head dim, F MLP width;
+`rotary_dim` rotated channels, `patch_dim` = 3·temporal_patch_size·patch_size² pixel features.
 """
 
 from typing import NamedTuple
@@ -30,9 +31,9 @@ from m3jax.stacking import scan_layers, stacked_layers
 class PatchInputs(NamedTuple):
     """Per-patch quantities shared by every encoder layer."""
 
-    rope_cos: jax.Array  # [N, P, R] fp32
-    rope_sin: jax.Array  # [N, P, R] fp32
-    segment_ids: jax.Array  # [N, P] int32: a patch sees its segment's (padding sees padding)
+    rope_cos: jax.Array  # [B, P, rotary_dim] fp32
+    rope_sin: jax.Array  # [B, P, rotary_dim] fp32
+    segment_ids: jax.Array  # [B, P] int32: a patch sees its segment's (padding sees padding)
 
 
 class VisionAttention(nnx.Module):
@@ -47,8 +48,8 @@ class VisionAttention(nnx.Module):
         self.impl = impl  # config.attention_impl: cuDNN's packed flash attention on GPU
 
     def __call__(self, x: jax.Array, inputs: PatchInputs) -> jax.Array:
-        """x: [N, P, Dv] -> [N, P, Dv]; multi-head (K = H), bidirectional within each segment."""
-        q = apply_rope(self.q_proj(x), inputs.rope_cos, inputs.rope_sin)  # [N, P, H, Dh]
+        """x: [B, P, Dv] -> [B, P, Dv]; multi-head (K = H), bidirectional within each segment."""
+        q = apply_rope(self.q_proj(x), inputs.rope_cos, inputs.rope_sin)  # [B, P, H, Dh]
         k = apply_rope(self.k_proj(x), inputs.rope_cos, inputs.rope_sin)
         v = self.v_proj(x)
         out = attention_ops.dense(self.impl, q, k, v, inputs.segment_ids, causal=False)
@@ -95,8 +96,9 @@ class VisionTower(nnx.Module):
     def __call__(
         self, patches: jax.Array, positions: jax.Array, segment_ids: jax.Array
     ) -> jax.Array:
-        """patches [N, P, C·T·P·P] pixel rows; positions [N, P, 3] int32 (t, h, w) within the patch's
-        segment; segment_ids [N, P] int32 (0 = padding). Returns the last layer's states [N, P, Dv]."""
+        """patches [B, P, patch_dim] pixel rows; positions [B, P, 3] int32 (t, h, w) within the
+        patch's segment; segment_ids [B, P] int32 (0 = padding). Returns the last layer's states
+        [B, P, Dv]."""
         x = patches.astype(self.dtype) @ self.patch_embed[...].astype(self.dtype)
         x = self.pre_norm(x)
         cos, sin = axial_rope_tables(positions, self.head_dim, self.rope_theta)

@@ -1,15 +1,16 @@
 """Host-side (NumPy) preparation of vision inputs: transformers' arguments -> static-shape arrays.
 
-transformers' MiniMax-M3-VL takes `pixel_values` [N, C·T·P·P] with `image_grid_thw` [n, 3] (and the
-same for videos, one grid row per chunk of at most 4 temporal patches). The jit-able model core
-instead takes `VisionInputs`: patches in N rows of a fixed patch budget (one row here; one per
-training row in training batches), each patch's (t, h, w) ViT position and segment id (one id per
-grid row; 0 = padding), and for every token the row of the merged feature matrix (all N rows'
-merged features, in order) that replaces its embedding (-1 = text token). Feature rows are
+transformers' MiniMax-M3-VL takes `pixel_values` [Σ t·h·w, patch_dim] with `image_grid_thw` [U, 3]
+(and the same for videos, one grid row per chunk of at most 4 temporal patches). The jit-able
+model core instead takes `VisionInputs`: patches in B rows of a fixed patch budget (one row here;
+one per training row in training batches), each patch's (t, h, w) ViT position and segment id (one
+id per grid row; 0 = padding), and for every token the row of the merged feature matrix (all B
+rows' merged features, in order) that replaces its embedding (-1 = text token). Feature rows are
 all images' in `image_grid_thw` order, then all videos'; placeholders are filled batch-major, in
 order, as transformers' masked_scatter does (spec §5.3).
 
-Shapes: B batch, S sequence, P patch budget, N patches given, n grid rows, m spatial merge size.
+Shapes: B batch, S sequence, P patch budget, U vision units (grid rows: an image or a video chunk),
+m spatial merge size; `patch_dim` = 3·temporal_patch_size·patch_size² pixel features.
 """
 
 from typing import NamedTuple
@@ -23,17 +24,17 @@ from m3jax.config import VisionConfig
 class VisionInputs(NamedTuple):
     """What the model core needs for vision; a pytree of arrays, so it passes through jit."""
 
-    patches: np.ndarray  # [N, P, C·T·P·P] float32 pixel rows, zero rows for padding
-    positions: np.ndarray  # [N, P, 3] int32 (t, h, w) inside the patch's grid row
-    segment_ids: np.ndarray  # [N, P] int32: 1.. per grid row within a row, 0 = padding
-    token_index: np.ndarray  # [B, S] int32: merged feature row (of N·P/m²), -1 = text token
+    patches: np.ndarray  # [B, P, patch_dim] float32 pixel rows, zero rows for padding
+    positions: np.ndarray  # [B, P, 3] int32 (t, h, w) inside the patch's grid row
+    segment_ids: np.ndarray  # [B, P] int32: 1.. per grid row within a row, 0 = padding
+    token_index: np.ndarray  # [B, S] int32: merged feature row (of B·P/m²), -1 = text token
 
 
 def grid_positions(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
     """(t, h, w) of every patch of every grid row, in the processor's block-major order (spec §4.3):
     for t, for m×m window row, for window column, for row in window, for column in window.
 
-    grid_thw: [n, 3] -> [sum(t·h·w), 3] int32; temporal ids restart at 0 for each grid row.
+    grid_thw: [U, 3] -> [sum(t·h·w), 3] int32; temporal ids restart at 0 for each grid row.
     """
     rows = []
     for t, h, w in np.asarray(grid_thw).tolist():
@@ -106,7 +107,8 @@ def pack_vision_inputs(
 
 
 def _checked_media(kind: str, pixels, grid, vision: VisionConfig):
-    """(kind, pixels [N, C·T·P·P], grid [n, 3]) with shapes checked; empty arrays when absent."""
+    """(kind, pixels [Σ t·h·w, patch_dim], grid [U, 3]) with shapes checked; empty arrays when
+    absent."""
     prefix = "pixel_values" if kind == "image" else "pixel_values_videos"
     if (pixels is None) != (grid is None):
         given, missing = (
@@ -117,7 +119,9 @@ def _checked_media(kind: str, pixels, grid, vision: VisionConfig):
         return kind, np.zeros((0, vision.patch_dim), np.float32), np.zeros((0, 3), np.int64)
     grid, pixels = np.asarray(grid), np.asarray(pixels)
     if grid.ndim != 2 or grid.shape[1] != 3 or (grid < 1).any():
-        raise ValueError(f"{kind}_grid_thw must be [n, 3] positive (t, h, w), got {grid.tolist()}")
+        raise ValueError(
+            f"{kind}_grid_thw must be [count, 3] positive (t, h, w), got {grid.tolist()}"
+        )
     merge = vision.spatial_merge_size
     for row, (t, h, w) in enumerate(grid.tolist()):
         if h % merge or w % merge:
@@ -129,7 +133,7 @@ def _checked_media(kind: str, pixels, grid, vision: VisionConfig):
     if pixels.shape != expected:
         raise ValueError(
             f"{prefix} has shape {list(pixels.shape)}, but {kind}_grid_thw needs {list(expected)} "
-            f"(sum of t·h·w rows of C·T·P·P = {vision.patch_dim} values)"
+            f"(sum of t·h·w rows of patch_dim = {vision.patch_dim} values)"
         )
     return kind, pixels, grid
 
@@ -139,7 +143,7 @@ def from_packed_rows(
 ) -> VisionInputs:
     """Training rows (each with its own patch budget) -> VisionInputs with one patch row per row.
 
-    patches [B, P, C·T·P·P], patch_positions [B, P, 3], patch_segment_ids [B, P] (1.. per image or
+    patches [B, P, patch_dim], patch_positions [B, P, 3], patch_segment_ids [B, P] (1.. per image or
     video chunk within the row, 0 = padding) and feature_index [B, S] (the row's merged feature row
     per placeholder, -1 = text), as data.mm_loader produces them. Feature rows are offset to index
     all rows' merged features in order. Works on NumPy or traced arrays.

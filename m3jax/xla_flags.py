@@ -1,4 +1,6 @@
-"""XLA flags m3jax relies on, added to XLA_FLAGS when m3jax is imported (before any backend starts).
+"""XLA flags m3jax's GPU runs rely on, added to XLA_FLAGS by the entry points that run them
+(`apply()` first thing in m3-train's and the training benchmarks' `main`, before any backend
+starts); importing m3jax sets nothing.
 
 - `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`: XLA:GPU's native
   ragged-all-to-all moved our dropless expert-parallel exchange at a small fraction of NVLink
@@ -7,7 +9,7 @@
   slices (0.61–0.65 with the same benchmark, benchmarks/RESULTS.md). Other backends ignore it.
 
 A flag the user already set in XLA_FLAGS (either value) is left as it is. XLA reads the variable
-once, when the first backend starts: importing m3jax after running a computation has no effect.
+once, when the first backend starts: `apply()` after running a computation has no effect.
 """
 
 import os

@@ -14,7 +14,7 @@ Memory: the temporaries are two [chunk_tokens, V] fp32 arrays (a chunk's logits 
 softmax / gradient), whatever the number of tokens; the lm_head's fp32 gradient accumulates in the
 output's buffer. XLA's CPU buffer assignment at V = 200,064, D = 256 (tests/pretrain/
 test_chunked_loss.py): 0.42 GB with 256-token chunks for 4096 or 8192 tokens, 3.3 GB with 2048;
-the plain path holds two [T, V] fp32 arrays, 6.6 GB for 4096 tokens.
+the plain path holds two [N, V] fp32 arrays, 6.6 GB for 4096 tokens.
 
 bf16 numerics: bf16 products with fp32 accumulation forward and backward, d(logits) rounded to
 bf16 before its two products (jax's transpose of the plain path multiplies fp32 d(logits) by the
@@ -36,7 +36,8 @@ chunk (chunk_tokens / data-parallel devices rows).
 It lives in pretrain/, not m3jax/: it is a training loss (targets, a custom gradient); the model's
 part is the normed hidden states and the lm_head (`Functional.apply_normed_with_mtp`).
 
-Shapes: B batch, S sequence, D model width, V vocab; n chunks of C positions per row.
+Shapes: B batch, S sequence, D model width, V vocab, N tokens; `chunks` of `per_row` positions per
+row.
 """
 
 import jax
@@ -60,29 +61,32 @@ def chunked_token_losses(
         raise ValueError(f"{chunk_tokens=} must be >= 1")
     batch, seq, dim = hidden.shape
     num_chunks = -(-seq // max(1, chunk_tokens // batch))
-    per_row = -(-seq // num_chunks)  # the fewest positions per row that n chunks need: padding < n
+    per_row = -(
+        -seq // num_chunks
+    )  # the fewest positions per row that n chunks need: padding < num_chunks
     pad = num_chunks * per_row - seq
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    # position c·n + j -> chunk j, row entry c: [B, S] -> [n, B, C]
+    # position c·num_chunks + j -> chunk j, row entry c: [B, S] -> [chunks, B, per_row]
     hidden = hidden.reshape(batch, per_row, num_chunks, dim).transpose(2, 0, 1, 3)
     targets = targets.reshape(batch, per_row, num_chunks).transpose(2, 0, 1)
     nll, log_normalizer = _chunk_losses(hidden, lm_head, targets)
 
-    def unchunked(x):  # [n, B, C] -> [B, S]
+    def unchunked(x):  # [chunks, B, per_row] -> [B, S]
         return x.transpose(1, 2, 0).reshape(batch, per_row * num_chunks)[:, :seq]
 
     return unchunked(nll), unchunked(log_normalizer)
 
 
 def _logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
-    """[B, C, D] x [D, V] -> [B, C, V] fp32: M3Model.head's product (weight already cast)."""
+    """[B, per_row, D] x [D, V] -> [B, per_row, V] fp32: M3Model.head's product (weight cast)."""
     return jnp.einsum("bcd,dv->bcv", hidden, weight, preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
 def _chunk_losses(hidden, lm_head, targets):
-    """hidden [n, B, C, D], lm_head [D, V], targets [n, B, C] -> (nll, logsumexp) [n, B, C]."""
+    """hidden [chunks, B, per_row, D], lm_head [D, V], targets [chunks, B, per_row] -> (nll,
+    logsumexp) [chunks, B, per_row]."""
     weight = lm_head.astype(hidden.dtype)
 
     def one_chunk(chunk):
@@ -108,14 +112,14 @@ def _chunk_losses_backward(residuals, cotangents):
 
     def one_chunk(d_weight, chunk):
         h, t, lse, g_nll, g_lse = chunk
-        softmax = jnp.exp(_logits(h, weight) - lse[..., None])  # [B, C, V]
+        softmax = jnp.exp(_logits(h, weight) - lse[..., None])  # [B, per_row, V]
         is_target = t[..., None] == jnp.arange(vocab)
         # nll = lse - logit[t]: d/dlogits = softmax - onehot; lse: softmax
         d_logits = (g_nll + g_lse)[..., None] * softmax - jnp.where(is_target, g_nll[..., None], 0)
         # d_logits in the operands' dtype: bf16 products with fp32 accumulation on tensor cores
         # (fp32 d_logits made both products fp32 GEMMs: 16 % of a bench-h200 step on an H200)
         d_logits = d_logits.astype(h.dtype)
-        d_h = _dot(d_logits, weight, ((2,), (1,))).astype(h.dtype)  # [B, C, D]
+        d_h = _dot(d_logits, weight, ((2,), (1,))).astype(h.dtype)  # [B, per_row, D]
         d_weight = d_weight + _dot(h, d_logits, ((0, 1), (0, 1)))  # [D, V]
         return d_weight, d_h
 

@@ -4,7 +4,7 @@ Each collective counts the size of its full (unsharded) side on one device: the 
 all-gather, all-reduce, all-to-all or collective-permute, the operand of a reduce-scatter. Work in
 a `while` counts its known trip count times (layer scans); of a `conditional`'s branches the
 cheapest counts, since one runs per call and the expert-parallel exchange's worst-case branch is the
-rare one (m3jax/expert_parallel.py). These are bytes per device per step, not wire traffic: a ring
+rare one (m3jax/moe/padded.py). These are bytes per device per step, not wire traffic: a ring
 all-gather of B bytes over n devices sends (n - 1)/n · B from each.
 """
 

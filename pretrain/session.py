@@ -52,12 +52,12 @@ class TrainingSession:
     ):
         self.run, self.checkpoints, self.report = run, checkpoints, report
         self.mesh = run_mesh(run)
-        experts, expert_devices = run.model.moe.num_experts, self.mesh.shape["expert"]
+        experts, expert_devices = run.model.moe.num_experts, self.mesh.shape[sharding.EXPERT_AXIS]
         if "sparse" in run.model.mlp_layer_types and experts % expert_devices:
             raise ConfigError(
                 f"model.moe.num_experts={experts} is not divisible by mesh.expert={expert_devices}"
             )
-        # The MoE layers run expert-parallel over this mesh (m3jax/expert_parallel.py).
+        # The MoE layers run expert-parallel over this mesh (m3jax/moe/expert_parallel.py).
         self.model = model = model.on_mesh(self.mesh)
         data_parallel = math.prod(self.mesh.shape[a] for a in ("data", "fsdp", "expert"))
         parts = run.train.grad_accum_steps  # every micro-batch spreads over all devices

@@ -29,6 +29,7 @@ import yaml
 from tqdm import tqdm
 
 from data.mm_documents import DataError
+from m3jax import xla_flags
 from m3jax.config_loading import to_mapping
 from m3jax.model import functional
 from pretrain.checkpoint_recovery import SaveRetry
@@ -48,7 +49,7 @@ LOG_KEYS = (
     "moe_dropped_fraction", "tokens_per_s", "model_flops_per_token", "mfu", "skipped_steps",
     "skipped_documents"
 )  # fmt: skip
-COUNT_KEYS = ("skipped_steps", "skipped_documents")  # shown once they are not 0
+SHOWN_IF_NOT_ZERO = ("moe_dropped_fraction", "skipped_steps", "skipped_documents")
 EVAL_LOG_KEYS = ("eval_nll", "eval_mtp_nll", "eval_msa_recall")
 
 
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.config).stem}")
 
     def command() -> int:
+        xla_flags.apply()  # XLA reads them when the first backend starts
         initialize(args)  # before anything touches a device
         summary = train(load_run_config(args.config, args.overrides), run_dir)
         return 128 + summary["stopped_by_signal"] if summary["stopped_by_signal"] else 0
@@ -233,7 +235,7 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def _console_line(step: int, total: int, logged: dict) -> str:
-    shown = [k for k in LOG_KEYS if k in logged and (logged[k] or k not in COUNT_KEYS)]
+    shown = [k for k in LOG_KEYS if k in logged and (logged[k] or k not in SHOWN_IF_NOT_ZERO)]
     parts = [f"{k} {logged[k]:.4g}" for k in shown]
     if "tokens_per_s" in logged and "mfu" not in logged:  # no peak FLOP/s for these devices
         parts.insert(shown.index("tokens_per_s") + 2, "mfu n/a")

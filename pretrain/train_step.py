@@ -7,7 +7,7 @@ loss = LM cross-entropy + z_loss_weight · z-loss + balance_loss_weight · MoE b
 After the update, each router's correction bias moves toward balanced load (outside the optimizer).
 A step whose loss or gradient norm is not finite changes nothing but `step` (pretrain/faults.py).
 The loads are global, all tokens of the step on any mesh: routing statistics are computed outside
-the expert-parallel shard_map (m3jax/moe.py). The LM losses (trunk and MTP modules) are computed
+the expert-parallel shard_map (m3jax/moe/layer.py). The LM losses (trunk and MTP modules) are computed
 from the final-normed hidden states and the lm_head in chunks of `train.loss_chunk_tokens`
 tokens (pretrain/chunked_loss.py): no [B, S, V] logits exist, forward or backward.
 
@@ -182,14 +182,14 @@ def _moe_loss(layer_stats: list[dict], parts, config) -> tuple[jax.Array, dict]:
     share = jnp.concatenate([s["score_share"] for s in moe_stats])
     # a product of batch means: per part, not of the whole batch (README: grad_accum_steps)
     balance = load_balance_loss(load, share, config.moe.experts_per_token) / parts
-    metrics = {"balance_loss": balance}
-    if config.moe.dispatch == "capacity":
-        dropped = jnp.concatenate([s["dropped_fraction"] for s in moe_stats])
-        metrics["moe_dropped_fraction"] = dropped.mean() / parts
-    if config.moe.dispatch == "dropless" and config.moe.exchange == "padded":
-        # share of MoE layers whose exchange needed worst-case blocks (expert parallel)
-        worst_case = jnp.concatenate([s["exchange_worst_case"] for s in moe_stats])
-        metrics["moe_exchange_worst_case"] = worst_case.mean() / parts
+    dropped = jnp.concatenate([s["dropped_fraction"] for s in moe_stats])
+    # share of MoE layers whose exchange needed worst-case blocks (0 but for the padded exchange)
+    worst_case = jnp.concatenate([s["exchange_worst_case"] for s in moe_stats])
+    metrics = {
+        "balance_loss": balance,
+        "moe_dropped_fraction": dropped.mean() / parts,  # 0 but for capacity dispatch
+        "moe_exchange_worst_case": worst_case.mean() / parts,
+    }
     return config.moe.balance_loss_weight * balance, metrics
 
 

@@ -27,6 +27,8 @@ TINY = {
     "data": {"source": "shakespeare", "seq_len": 32, "batch_size": 4},
     "optimizer": {"lr": 3e-3, "warmup_steps": 2},
     "train": {"steps": 6},
+    # synchronous saves keep these tests' timing simple; the default (async) has its own tests
+    # (test_multimodal_training, test_soak, test_checkpoint_faults)
     "checkpoint": {"every_steps": 3, "keep": 5, "async_save": False},
     "logging": {"every_steps": 1, "progress_bar": False, "tensorboard": True},
 }

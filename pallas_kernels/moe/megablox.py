@@ -6,7 +6,7 @@ scalar prefetch; its custom VJP gives dX (a grouped matmul with wᵀ) and dW (`t
 the tiling and check the shapes. On a machine without a TPU it runs in Pallas' interpreter
 (`interpret=None` picks that). Speed: unmeasured (no TPU here).
 
-Shapes: M rows (sorted by expert), D input width, F output width, E experts.
+Shapes: R rows (sorted by expert), D input width, F output width, E experts.
 """
 
 import jax
@@ -36,7 +36,7 @@ def _tiling(rows: int, in_width: int, out_width: int) -> tuple[int, int, int]:
 def grouped_matmul(
     x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool | None = None
 ) -> jax.Array:
-    """Same arguments and result as `reference.grouped_matmul`: [M, D] × [E, D, F] -> [M, F]."""
+    """Same arguments and result as `reference.grouped_matmul`: [R, D] × [E, D, F] -> [R, F]."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     group_sizes = group_sizes.astype(jnp.int32)

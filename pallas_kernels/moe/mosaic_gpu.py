@@ -10,7 +10,8 @@ and streams operands through a TMA pipeline into wgmma, accumulating in fp32 reg
 `tiled_matmul(x, w, layout)` is the differentiable entry point; `reference.tiled_matmul` is the
 same function through XLA's ragged_dot, the CPU path and the tests' oracle.
 
-Shapes: T tiles of BLOCK_M rows (P = T·BLOCK_M padded rows), K contraction, N output, E experts.
+Shapes: `tiles` of BLOCK_M rows (tiles·BLOCK_M padded rows), D contraction (input width), F output
+width, E experts (words and letters as in the m3jax package docstring).
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.tiles import TileLayout
+from pallas_kernels.shard_map import vary_like
 
 BLOCK_M = 128  # rows per tile: the layout's granularity and the wgmma M of one warpgroup
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -95,7 +97,8 @@ def tile_matmul(
 ) -> jax.Array:
     """y[tile] = x[tile] @ w[tile_expert[tile]] (or @ wᵀ), zero for tiles with expert -1.
 
-    x: [P, K]; w: [E, K, N], or [E, N, K] with transpose_w; tile_expert: [T] int32 -> [P, N].
+    x: [tiles·BLOCK_M, D]; w: [E, D, F], or [E, F, D] with transpose_w; tile_expert: [tiles] int32
+    -> [tiles·BLOCK_M, F].
     """
     padded, k = x.shape
     n = w.shape[1] if transpose_w else w.shape[2]
@@ -164,7 +167,8 @@ def expert_gram(
 ) -> jax.Array:
     """dw[e] = Σ over e's tiles of x[tile]ᵀ @ dy[tile], zero for an expert without tiles.
 
-    x: [P, K]; dy: [P, N]; first_tile, num_tiles: [E] int32 -> [E, K, N] in x's dtype.
+    x: [tiles·BLOCK_M, D]; dy: [tiles·BLOCK_M, F]; first_tile, num_tiles: [E] int32 -> [E, D, F] in
+    x's dtype.
     """
     padded, k = x.shape
     n = dy.shape[1]
@@ -222,7 +226,8 @@ def expert_gram(
 def tiled_matmul(
     x: jax.Array, w: jax.Array, layout: TileLayout, tiling: Tiling = Tiling()
 ) -> jax.Array:
-    """[P, K] tiled rows @ their experts' [E, K, N] weights -> [P, N] (differentiable in x, w).
+    """[tiles·BLOCK_M, D] tiled rows @ their experts' [E, D, F] weights -> [tiles·BLOCK_M, F]
+    (differentiable in x, w).
 
     Inside `shard_map`, w is first marked as varying over every mesh axis x varies over (rows
     differ per device, weights may be replicated), so that autodiff sums w's gradient over those
@@ -230,19 +235,6 @@ def tiled_matmul(
     """
     w = vary_like(w.astype(x.dtype), x)
     return _tiled_matmul(vary_like(x, w), w, layout, tiling)
-
-
-def _varying_axes(x: jax.Array) -> frozenset:
-    return jax.typeof(x).mat.varying
-
-
-def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """x, typed as varying over the manual mesh axes `like` varies over (inside `shard_map`).
-
-    Kernels drop the type, so it is restored around them; expert_parallel.py also uses it to give
-    the expert weights the rows' type once, before any branch (see `_padded_branches`)."""
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -5,7 +5,7 @@ later, beside it as `kernel.py`) keeps: `grouped_matmul(x_sorted, w, group_sizes
 from autodiff: `ragged_dot`'s transpose rules give dX (a grouped matmul with wᵀ) and dW (a
 per-group xᵀ·dY); a kernel may replace them with a `custom_vjp` behind the same signature.
 
-Shapes: M rows (token copies, sorted by expert), D input width, F output width, E experts (groups).
+Shapes: R rows (token copies, sorted by expert), D input width, F output width, E experts (groups).
 """
 
 import jax
@@ -19,11 +19,11 @@ def grouped_matmul(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
     """y[i] = x_sorted[i] @ w[e(i)], where rows of expert e are the e-th run of `group_sizes` rows.
 
     Args:
-      x_sorted: [M, D] rows, the first group_sizes[0] for expert 0, the next for expert 1, ...
+      x_sorted: [R, D] rows, the first group_sizes[0] for expert 0, the next for expert 1, ...
       w: [E, D, F] one weight matrix per expert.
-      group_sizes: [E] int32 rows per expert; sum(group_sizes) <= M.
+      group_sizes: [E] int32 rows per expert; sum(group_sizes) <= R.
     Returns:
-      [M, F] in x_sorted's dtype. Rows past sum(group_sizes) (padding) are zero.
+      [R, F] in x_sorted's dtype. Rows past sum(group_sizes) (padding) are zero.
     """
     return jax.lax.ragged_dot(x_sorted, w, group_sizes.astype(jnp.int32))
 
@@ -33,9 +33,9 @@ def grouped_matmul_buffered(x_sorted: jax.Array, w: jax.Array, group_sizes) -> j
     [E, C, D] buffer (C = the largest group), one batched matmul, gathered back.
 
     Exact, a few ops whatever the sizes, and its gradient one scatter. XLA may lower an fp32
-    `ragged_dot` to a dense [M, E·D] product (out of memory at E = 32, M = 128K on the H200); one
-    matmul per group slice (the previous reference) pads every group's dX back to [M, D] in
-    backward: E full-size arrays, minutes at E = 32, M = 128K (benchmarks/RESULTS.md).
+    `ragged_dot` to a dense [R, E·D] product (out of memory at E = 32, R = 128K on the H200); one
+    matmul per group slice (the previous reference) pads every group's dX back to [R, D] in
+    backward: E full-size arrays, minutes at E = 32, R = 128K (benchmarks/RESULTS.md).
     group_sizes must be concrete (host values): call it eagerly, not under `jax.jit`.
     """
     sizes = np.asarray(group_sizes)

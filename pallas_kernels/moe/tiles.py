@@ -10,7 +10,7 @@ with expert -1 and come out zero. Moving rows in and out of the layout is a gath
 both directions of autodiff (the two index maps are inverse partial permutations), never a scatter,
 which XLA runs several times slower on GPUs.
 
-Shapes: R sorted rows, T tiles (T·block_m padded rows), E experts.
+Shapes: R sorted rows, `tiles` (tiles·block_m padded rows), E experts.
 """
 
 from typing import NamedTuple
@@ -22,15 +22,15 @@ import jax.numpy as jnp
 class TileLayout(NamedTuple):
     """Where sorted rows live in the padded buffer, and which expert owns each tile."""
 
-    destination: jax.Array  # [R] int32 padded row of each sorted row; T·block_m past the groups
-    source: jax.Array  # [T·block_m] int32 sorted row of each padded row; R for the zero gaps
-    tile_expert: jax.Array  # [T] int32 expert of each tile, -1 for the unused tail
+    destination: jax.Array  # [R] int32 padded row of each sorted row; tiles·block_m: past all
+    source: jax.Array  # [tiles·block_m] int32 sorted row of each padded row; R for the zero gaps
+    tile_expert: jax.Array  # [tiles] int32 expert of each tile, -1 for the unused tail
     first_tile: jax.Array  # [E] int32 first tile of each expert
     num_tiles: jax.Array  # [E] int32 tiles of each expert (0 for an expert with no rows)
 
 
 def num_tiles_bound(num_rows: int, num_experts: int, block_m: int) -> int:
-    """T: enough tiles for any split of `num_rows` rows over `num_experts` experts.
+    """The number of tiles enough for any split of `num_rows` rows over `num_experts` experts.
 
     Σ_e ⌈g_e / b⌉ ≤ Σ_e (g_e + b - 1) / b = (R + E·(b - 1)) / b, and the sum is an integer.
     """
@@ -117,10 +117,10 @@ permute_rows.defvjp(permute_rows_forward, permute_rows_backward)
 
 
 def to_tiles(x_sorted: jax.Array, layout: TileLayout) -> jax.Array:
-    """[R, D] sorted rows -> [T·block_m, D], zero between experts and in the tail."""
+    """[R, D] sorted rows -> [tiles·block_m, D], zero between experts and in the tail."""
     return permute_rows(x_sorted, layout.source, layout.destination)
 
 
 def from_tiles(y_tiles: jax.Array, layout: TileLayout) -> jax.Array:
-    """[T·block_m, F] -> [R, F] in sorted order; rows beyond the groups are zero."""
+    """[tiles·block_m, F] -> [R, F] in sorted order; rows beyond the groups are zero."""
     return permute_rows(y_tiles, layout.destination, layout.source)

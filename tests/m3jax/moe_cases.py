@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from m3jax.config import ModelConfig, MoEConfig
-from m3jax.moe import MoE
+from m3jax.moe.layer import MoE
 
 B, S, D = 8, 6, 8
 

@@ -26,8 +26,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 from moe_cases import B, S, assert_trees_close, inputs, moe_config, random_state, run
 
-from m3jax import expert_parallel, sharding
-from m3jax.moe import MoE
+from m3jax import sharding
+from m3jax.moe import expert_parallel, padded, ragged
+from m3jax.moe.layer import MoE
+from m3jax.moe.local import EXPERT_WEIGHT_AXES
 
 MESHES = {
     "ep2": {"expert": 2},
@@ -99,16 +101,16 @@ def test_padded_exchange_is_exact_whether_blocks_fit_or_not(mesh_name, monkeypat
     out_ref, stats_ref, grads_ref = one_device("dropless", NO_DROPS)
     config = moe_config(dispatch="dropless", exchange="padded")
     tokens, rows = busiest_exchange(stats_ref["experts"], parts, config.moe.num_experts)
-    _, worst = expert_parallel.padded_blocks(
+    _, worst = padded.padded_blocks(
         B * S // parts, config.moe.experts_per_token, config.moe.num_experts, parts, 1.0
     )
     assert 1 < tokens <= worst.tokens and 1 < rows < worst.rows  # the usual branch exists
-    real = expert_parallel.padded_blocks
+    real = padded.padded_blocks
     cases = [((tokens, rows), 0.0), ((tokens - 1, rows), 1.0), ((tokens, rows - 1), 1.0)]
     for usual, worst_case in cases:
-        blocks = expert_parallel.Blocks(*usual)
+        blocks = padded.Blocks(*usual)
         monkeypatch.setattr(
-            expert_parallel, "padded_blocks", lambda *a, usual=blocks: (usual, real(*a)[1])
+            padded, "padded_blocks", lambda *a, usual=blocks: (usual, real(*a)[1])
         )
         out, stats, grads = run(config, random_state(config), *inputs(), mesh=mesh)
         assert_trees_close(out, out_ref, err_msg=f"{mesh_name} {blocks}")
@@ -125,7 +127,7 @@ def test_padded_blocks_expect_the_share_of_tokens_reaching_a_peer(num_experts, k
     share = sum(any(e < local for e in c) for c in choices) / len(choices)
     tokens = 1000
     for factor in (0.5, 1.0, 1.25, 4.0):
-        usual, worst = expert_parallel.padded_blocks(tokens, k, num_experts, parts, factor)
+        usual, worst = padded.padded_blocks(tokens, k, num_experts, parts, factor)
         assert worst == (tokens, parts * tokens * min(k, local))
         assert usual.tokens == min(tokens, math.ceil(factor * tokens * share - 1e-9))
         assert usual.rows == min(
@@ -171,7 +173,7 @@ def test_expert_weights_are_gathered_only_for_a_devices_own_experts():
     config, mesh = moe_config(), mesh_of("ep2-fsdp2")
     state = random_state(config)
     for name, axes in zip(
-        ("gate_proj", "up_proj", "down_proj"), expert_parallel.EXPERT_WEIGHT_AXES
+        ("gate_proj", "up_proj", "down_proj"), EXPERT_WEIGHT_AXES
     ):
         spec = sharding.partition_spec(axes, state[name].shape, mesh)
         state[name] = jax.device_put(state[name], jax.sharding.NamedSharding(mesh, spec))
@@ -213,7 +215,7 @@ def test_ragged_all_to_all_emulation_matches_the_documented_example():
             for k, v in args.items()]  # fmt: skip
     emulated = jax.jit(
         jax.shard_map(
-            expert_parallel._ragged_all_to_all_by_gather,
+            ragged.ragged_all_to_all_by_gather,
             mesh=mesh,
             in_specs=PartitionSpec("expert"),
             out_specs=PartitionSpec("expert"),
@@ -282,7 +284,7 @@ def test_expert_major_order_regroups_source_major_blocks(padded):
     counts = jnp.asarray([[1, 2], [0, 1], [2, 0]], jnp.int32)
     starts = jnp.asarray([0, 4, 8] if padded else [0, 3, 4], jnp.int32)
     num_rows = 12 if padded else 8
-    order = expert_parallel.expert_major_order(counts, starts, num_rows)
+    order = ragged.expert_major_order(counts, starts, num_rows)
     none = num_rows  # padding rows have no sorted place
     if padded:
         expected = [0, 3, 4, none, 5, none, none, none, 1, 2, none, none]

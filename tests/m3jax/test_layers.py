@@ -17,7 +17,8 @@ from flax import nnx
 
 from m3jax.config import ModelConfig, MoEConfig
 from m3jax.mlp import MLP, swigluoai
-from m3jax.moe import MoE, balanced_bias, route
+from m3jax.moe.layer import MoE
+from m3jax.moe.router import balanced_bias, route
 from m3jax.norms import rms_norm
 from m3jax.rope import apply_rope, rope_tables
 

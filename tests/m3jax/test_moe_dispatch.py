@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_cases import assert_trees_close, inputs, moe_config, random_state, run, with_moe
 
-from m3jax.moe_dispatch import ExpertWeights, RowOrder, capacity, grouped_ffn, sort_rows
+from m3jax.moe.local import ExpertWeights, RowOrder, capacity, grouped_ffn, sort_rows
 
 
 def test_capacity_is_factor_times_fair_share_clipped_to_tokens():

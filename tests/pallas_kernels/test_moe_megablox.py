@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from m3jax import moe_dispatch
+from m3jax.moe import local
 from pallas_kernels.moe import megablox, reference
 
 
@@ -32,9 +32,9 @@ def test_megablox_matches_reference_values_and_gradients():
 
 
 def test_auto_takes_megablox_on_a_tpu_where_it_applies():
-    impl = moe_dispatch.grouped_matmul_impl
+    impl = local.grouped_matmul_impl
     assert impl("auto", jnp.bfloat16, 256, 128) == "xla"  # this CPU machine
-    with mock.patch.object(moe_dispatch.jax, "default_backend", lambda: "tpu"):
+    with mock.patch.object(local.jax, "default_backend", lambda: "tpu"):
         assert impl("auto", jnp.bfloat16, 256, 128) == "megablox"
         assert impl("auto", jnp.bfloat16, 200, 128) == "xla"
         with pytest.raises(ValueError, match="in_width=200"):

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.test_util import check_grads
 
-from m3jax.moe_dispatch import ExpertWeights, grouped_ffn, grouped_matmul_impl
+from m3jax.moe.local import ExpertWeights, grouped_ffn, grouped_matmul_impl
 from pallas_kernels.moe import mosaic_gpu, reference
 from pallas_kernels.moe.tiles import (
     from_tiles,
@@ -191,25 +191,21 @@ def test_impl_choice():
 
 
 @pytest.mark.parametrize(
-    "mesh_sizes, exchange, kernels",
-    [
-        ({"expert": 2}, "ragged", 9),  # 3 forward, 3 × (dX, dW) backward
-        # small blocks: 9; worst-case blocks (the whole branch rematerialised): 3 + again the 3
-        # (gate and up for the activation, down for the routing weights' gradient) + 6
-        ({"expert": 2}, "padded", 21),
-        ({"data": 2}, "ragged", 9),
-    ],
+    "mesh_sizes, exchange",
+    [({"expert": 2}, "ragged"), ({"expert": 2}, "padded"), ({"data": 2}, "ragged")],
 )
-def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes, exchange, kernels):
+def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes, exchange):
     """Under shard_map the kernels' outputs carry no varying-axes types; the wrapper restores them
     so that autodiff of the MoE block under EP=2 (both exchanges) and under data parallelism
-    (tokens straight into the tile layout) type-checks. The GPU interpreter runs one device only,
-    so the block is traced here; benchmarks/bench_moe.py checks its numbers on two GPUs."""
+    (tokens straight into the tile layout) type-checks, and every grouped matmul of the forward
+    and backward pass is the kernel: none falls back to `ragged_dot`. The GPU interpreter runs one
+    device only, so the block is traced here; benchmarks/bench_moe.py checks its numbers on two
+    GPUs."""
     from flax import nnx
 
     from m3jax import sharding
     from m3jax.config import ModelConfig, MoEConfig
-    from m3jax.moe import MoE
+    from m3jax.moe.layer import MoE
 
     moe = MoEConfig(
         num_experts=4, experts_per_token=2, expert_dim=128, grouped_matmul="mosaic_gpu",
@@ -230,7 +226,10 @@ def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes, exch
     traced = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(state, x)
     grads = traced.out_info
     assert grads[1].shape == x.shape
-    assert primitive_count(traced.jaxpr.jaxpr, "mpmd_map") == kernels
+    # gate, up and down projections: 3 products forward, their dX and dW backward (rematerialised
+    # products may add more)
+    assert primitive_count(traced.jaxpr.jaxpr, "mpmd_map") >= 9
+    assert primitive_count(traced.jaxpr.jaxpr, "ragged_dot_general") == 0
 
 
 def primitive_count(jaxpr, name: str) -> int:

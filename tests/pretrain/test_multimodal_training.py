@@ -40,12 +40,16 @@ def test_multimodal_batches_carry_patches_for_the_vision_tower():
 
 @pytest.mark.slow
 def test_multimodal_training_logs_modalities_and_resumes_exactly(tmp_path):
-    run = multimodal_run(train={"steps": 4}, checkpoint={"every_steps": 2})
+    """With what a real run uses and tiny_run turns off: asynchronous saves (the default) and Grain
+    worker processes, whose prefetching runs ahead of the batch the checkpoint records."""
+    run = multimodal_run(
+        train={"steps": 4}, checkpoint={"every_steps": 2, "async_save": True}, data={"workers": 2}
+    )
     summary = train(run, tmp_path / "straight")
     records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     assert sum(r["image_tokens"] + r["video_tokens"] for r in records) > 0
     assert {"nll_text_docs", "nll_image_docs", "nll_video_docs", "text_tokens"} <= set(records[-1])
-    assert sum(summary["modality_tokens"].values()) == 4 * 4 * 64
+    assert 0.99 * 4 * 4 * 64 < sum(summary["modality_tokens"].values()) <= 4 * 4 * 64  # less pads
     interrupted = tmp_path / "interrupted"
     train(run, interrupted)
     shutil.rmtree(interrupted / "checkpoints" / "4")  # killed after the step-2 checkpoint

@@ -57,7 +57,8 @@ def test_train_loss_falls_on_shakespeare(tmp_path):
         "moe_idle_experts",
         "balance_loss",
     } <= set(records[-1])
-    assert "moe_dropped_fraction" not in records[-1]  # dropless: nothing to drop
+    assert records[-1]["moe_dropped_fraction"] == 0  # dropless: nothing to drop
+    assert records[-1]["moe_exchange_worst_case"] == 0  # one device: no exchange
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -207,4 +208,4 @@ def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys)
     assert [r["moe_dropped_fraction"] for r in capacity] == [0.0, 0.0, 0.0]
     assert [r["moe_exchange_worst_case"] for r in padded] == [1.0, 1.0, 1.0]
     assert all(0.0 <= r["moe_exchange_worst_case"] <= 1.0 for r in expert_parallel)  # padded
-    assert "moe_exchange_worst_case" not in ragged[-1]  # ragged: no blocks
+    assert [r["moe_exchange_worst_case"] for r in ragged] == [0.0, 0.0, 0.0]  # no blocks

@@ -6,13 +6,14 @@ Three modes (`model.moe.dispatch`), equal wherever capacity drops nothing:
 - dropless: the N·k (token, expert) pairs become rows, stably sorted by expert (so each expert's
   rows are contiguous and in token order) and multiplied by a grouped matmul
   (`pallas_kernels/moe`: XLA's ragged_dot, on GPUs a Pallas Mosaic GPU kernel over a
-  tile-aligned copy of the rows, on TPUs jax's megablox kernel; `moe.grouped_matmul`). Exact, and only the chosen work.
+  tile-aligned copy of the rows, on TPUs jax's megablox kernel; `moe.grouped_matmul`). Exact, and
+  only the chosen work.
 - capacity: the same sorted rows, but each expert takes at most C = ⌈capacity_factor · N·k / E⌉ of
   them, earliest tokens first, into fixed [E, C, D] buffers that one batched einsum multiplies.
   Rows past C are dropped (their expert's contribution is 0) and counted.
 
 Padding tokens are routed like real ones (packed rows have almost none), so all modes give the
-same output at every position. m3jax/expert_parallel.py reuses these pieces on each device.
+same output at every position. expert_parallel.py reuses these pieces on each device.
 
 Shapes: N tokens, k experts per token, R = N·k rows, D model width, F expert width, E experts,
 C capacity (rows per expert).
@@ -47,6 +48,12 @@ class ExpertWeights(NamedTuple):
     gate: jax.Array  # [E, D, F]
     up: jax.Array  # [E, D, F]
     down: jax.Array  # [E, F, D]
+
+
+# Logical axes of the routed experts' weights (layer.py), also how they enter the expert-parallel map
+EXPERT_WEIGHT_AXES = ExpertWeights(
+    ("expert", "embed", "mlp"), ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+)
 
 
 class RowOrder(NamedTuple):
@@ -226,7 +233,7 @@ class ExpertFFN(NamedTuple):
     """How the experts run: on sorted rows (dropless) and on capacity buffers (capacity).
 
     On one device these are `grouped_ffn` and `batched_ffn`; under expert parallelism the same
-    signatures wrap an exchange between devices around the local experts (expert_parallel.py).
+    signatures wrap an exchange between devices around the local experts (ragged.py, capacity.py).
     """
 
     # ([R, D] rows, [E] sizes, their order into expert order or None if sorted) -> [R, D]

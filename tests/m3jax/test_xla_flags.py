@@ -1,0 +1,31 @@
+"""Importing m3jax sets no XLA flags; the entry points add them, keeping the user's."""
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+from m3jax import xla_flags
+
+DECOMPOSER = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"
+
+
+def test_import_sets_no_flags_and_m3_train_adds_them():
+    script = f"""
+import os
+import m3jax, m3jax.model, pretrain.train
+assert "XLA_FLAGS" not in os.environ, os.environ["XLA_FLAGS"]
+assert pretrain.train.main(["--config", "no/such.yaml"]) == 2
+assert "{DECOMPOSER}=true" in os.environ["XLA_FLAGS"], os.environ["XLA_FLAGS"]
+"""
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}  # no XLA_FLAGS
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_with_defaults_keeps_a_flag_the_user_set():
+    assert xla_flags.with_defaults("") == f"{DECOMPOSER}=true"
+    assert xla_flags.with_defaults(f"{DECOMPOSER}=false") == f"{DECOMPOSER}=false"
+    assert (
+        xla_flags.with_defaults("--xla_dump_to=/tmp/x") == f"--xla_dump_to=/tmp/x {DECOMPOSER}=true"
+    )
