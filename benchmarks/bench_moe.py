@@ -292,7 +292,7 @@ def layer_train(config: ModelConfig, mesh):
     def step(state, x, cotangent):
         def loss(state, x):
             out, stats = layer_apply(config, mesh, state, x)
-            return (out.astype(jnp.float32) * cotangent).sum(), stats["dropped_fraction"]
+            return (out.astype(jnp.float32) * cotangent).sum(), stats.dropped_fraction
 
         grads, dropped = jax.grad(loss, argnums=(0, 1), has_aux=True)(state, x)
         return grads, dropped

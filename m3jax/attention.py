@@ -40,6 +40,15 @@ class Projections(NamedTuple):
     index_k: jax.Array | None  # [B, S, Di]: one key head shared by the index heads
 
 
+class MSAStats(NamedTuple):
+    """An MSA layer's statistics, each present as `ForwardMode` asks (stacked layers: a leading
+    layer axis on each)."""
+
+    blocks: jax.Array | None = None  # [B, S, Hi, topk_blocks] int32 selected blocks, -1 = none
+    kl: jax.Array | None = None  # [] fp32 indexer KL, mean over real tokens
+    recall: jax.Array | None = None  # [] fp32 block recall, mean over real tokens
+
+
 class AttentionInputs(NamedTuple):
     """Per-row quantities shared by every layer of one forward pass."""
 
@@ -119,11 +128,11 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
-    ) -> tuple[jax.Array, dict]:
-        """x: [B, S, D] normed hidden state -> ([B, S, D], stats): on MSA layers "msa" (blocks,
-        kl, recall as `mode` asks); with mode.kv_cache "cache" (this layer's LayerCache entries)."""
+    ) -> tuple[jax.Array, MSAStats | None, LayerCache | None]:
+        """x: [B, S, D] normed hidden state -> ([B, S, D], MSAStats on MSA layers, this layer's
+        LayerCache entries with mode.kv_cache)."""
         p = self.project(x, inputs)
-        stats = {}
+        msa_stats = None
         if self.indexer is None:
 
             def dense(q, k, v, segment_ids, query_slots=None):
@@ -132,11 +141,8 @@ class Attention(nnx.Module):
             out = self._on_devices(dense, (p.q,), (p.k, p.v), (inputs.segment_ids,))
         else:
             out, msa_stats = self._sparse(p, inputs, mode)
-            if msa_stats:
-                stats["msa"] = msa_stats
-        if mode.kv_cache:
-            stats["cache"] = LayerCache(p.k, p.v, p.index_k)
-        return self._output(out, x.dtype), stats
+        cache = LayerCache(p.k, p.v, p.index_k) if mode.kv_cache else None
+        return self._output(out, x.dtype), msa_stats, cache
 
     def decode(
         self, x: jax.Array, inputs: AttentionInputs, cache: LayerCache, layer: jax.Array
@@ -216,9 +222,7 @@ class Attention(nnx.Module):
             layer, (q, index_q), (k, v), (index_k, segment_ids, positions)
         )
         valid = segment_ids > 0
-        stats = {} if blocks is None else {"blocks": blocks}
-        if kl is not None:
-            stats["kl"] = _mean_over_tokens(kl, valid)
+        stats = MSAStats(blocks, None if kl is None else _mean_over_tokens(kl, valid))
         if hits is not None:
-            stats["recall"] = _mean_over_tokens(hits, valid)
+            stats = stats._replace(recall=_mean_over_tokens(hits, valid))
         return out, stats

@@ -10,19 +10,31 @@ Shapes: B batch, S sequence, D model width, Hi index heads, k experts per token,
 selected blocks per query (words, never letters: spec/msa.md's K and B).
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from m3jax import sharding
-from m3jax.attention import Attention, AttentionInputs, ForwardMode
+from m3jax.attention import Attention, AttentionInputs, ForwardMode, MSAStats
 from m3jax.config import ModelConfig
 from m3jax.kv_cache import LayerCache
 from m3jax.mlp import MLP
-from m3jax.moe.layer import MoE
+from m3jax.moe.layer import MoE, MoEStats
 from m3jax.norms import RMSNorm
 from m3jax.stacking import scan_layers, stacked_layers
+
+
+class LayerStats(NamedTuple):
+    """What a decoder layer reports besides its output; a LayerStack's carry a leading layer axis.
+    Under jit, entries nobody reads cost nothing (dead-code eliminated)."""
+
+    moe: MoEStats | None = None  # on MoE layers
+    msa: MSAStats | None = None  # on MSA layers
+    cache: LayerCache | None = None  # with mode.kv_cache: the layer's keys, values, index keys
+    hidden: jax.Array | None = None  # with output_hidden_states: the layer's output [B, S, D]
 
 
 class DecoderLayer(nnx.Module):
@@ -55,32 +67,27 @@ class DecoderLayer(nnx.Module):
 
     def __call__(
         self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
-    ) -> tuple[jax.Array, dict]:
-        """x: [B, S, D] -> ([B, S, D], stats).
-
-        stats: {"moe": expert statistics} on MoE layers and {"msa": {"blocks": selected key blocks
-        [B, S, Hi, topk_blocks], plus "kl" / "recall" as `mode` asks}} on MSA layers; with
-        mode.kv_cache also "cache" (the layer's keys, values and index keys). Under jit, entries
-        nobody reads cost nothing (dead-code eliminated).
-        """
-        attention_out, stats = self.attention(self.input_norm(x), inputs, mode)
-        return self._feed_forward(x + attention_out, inputs, stats)
+    ) -> tuple[jax.Array, LayerStats]:
+        """x: [B, S, D] -> ([B, S, D], its LayerStats: moe, msa, cache as the layer and `mode`
+        have them)."""
+        attention_out, msa, cache = self.attention(self.input_norm(x), inputs, mode)
+        out, moe = self._feed_forward(x + attention_out, inputs)
+        return out, LayerStats(moe, msa, cache)
 
     def decode(
         self, x: jax.Array, inputs: AttentionInputs, cache: LayerCache, layer: jax.Array
     ) -> tuple[jax.Array, LayerCache]:
         """One new token per row: x [B, 1, D] -> ([B, 1, D], the stack's cache with its entries)."""
         attention_out, cache = self.attention.decode(self.input_norm(x), inputs, cache, layer)
-        out, _ = self._feed_forward(x + attention_out, inputs, {})
+        out, _ = self._feed_forward(x + attention_out, inputs)
         return out, cache
 
-    def _feed_forward(self, h: jax.Array, inputs: AttentionInputs, stats: dict):
+    def _feed_forward(self, h: jax.Array, inputs: AttentionInputs):
         normed = self.post_attention_norm(h)
         if isinstance(self.mlp, MoE):
-            mlp_out, stats["moe"] = self.mlp(normed, inputs.segment_ids > 0)
-        else:
-            mlp_out = self.mlp(normed)
-        return h + mlp_out, stats
+            mlp_out, moe = self.mlp(normed, inputs.segment_ids > 0)
+            return h + mlp_out, moe
+        return h + self.mlp(normed), None
 
 
 class LayerStack(nnx.Module):
@@ -110,14 +117,14 @@ class LayerStack(nnx.Module):
         mode: ForwardMode,
         *,
         output_hidden_states: bool = False,
-    ) -> tuple[jax.Array, dict]:
-        """x: [B, S, D] -> ([B, S, D], stats stacked over layers; with output_hidden_states also
-        "hidden": each layer's output [L, B, S, D])."""
+    ) -> tuple[jax.Array, LayerStats]:
+        """x: [B, S, D] -> ([B, S, D], LayerStats stacked over layers; with output_hidden_states
+        also `hidden`: each layer's output [L, B, S, D])."""
 
-        def step(layer: DecoderLayer, x: jax.Array) -> tuple[jax.Array, dict]:
+        def step(layer: DecoderLayer, x: jax.Array) -> tuple[jax.Array, LayerStats]:
             y, stats = layer(sharding.constrain_activations(x, self.mesh), inputs, mode)
             y = sharding.constrain_activations(y, self.mesh)
-            return y, ({**stats, "hidden": y} if output_hidden_states else stats)
+            return y, (stats._replace(hidden=y) if output_hidden_states else stats)
 
         return scan_layers(self.layers, x, step, self.remat)
 

@@ -146,7 +146,7 @@ def _prefill_program(config: ModelConfig, cache_length: int):
         logits, stats = model.apply(
             params, buffers, tokens, positions, segment_ids, vision, ForwardMode(kv_cache=True)
         )
-        cache = kv_cache.from_prefill([s["cache"] for s in stats], lengths, cache_length)
+        cache = kv_cache.from_prefill([s.cache for s in stats], lengths, cache_length)
         return logits[jnp.arange(tokens.shape[0]), lengths - 1], cache
 
     return jax.jit(run)

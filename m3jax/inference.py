@@ -80,11 +80,11 @@ def forward_with_trace(
     layer = 0
     for stack_stats, (_, _, count) in zip(stats, layer_runs(config), strict=True):
         for i in range(count):
-            trace["hidden_states"].append(stack_stats["hidden"][i])
-            if "blocks" in stack_stats.get("msa", {}):
-                trace["blocks"][layer] = stack_stats["msa"]["blocks"][i]
-            if "moe" in stack_stats:
-                trace["experts"][layer] = stack_stats["moe"]["experts"][i]
+            trace["hidden_states"].append(stack_stats.hidden[i])
+            if stack_stats.msa is not None and stack_stats.msa.blocks is not None:
+                trace["blocks"][layer] = stack_stats.msa.blocks[i]
+            if stack_stats.moe is not None:
+                trace["experts"][layer] = stack_stats.moe.experts[i]
             layer += 1
     return logits, trace
 

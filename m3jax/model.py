@@ -30,10 +30,10 @@ from jax.sharding import Mesh
 from m3jax import context_parallel, params
 from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
-from m3jax.decoder import LayerStack
+from m3jax.decoder import LayerStack, LayerStats
 from m3jax.kv_cache import KVCache
 from m3jax.moe.router import balanced_bias
-from m3jax.mtp import MultiTokenPrediction
+from m3jax.mtp import MTPOutput, MultiTokenPrediction
 from m3jax.norms import RMSNorm
 from m3jax.projector import Projector
 from m3jax.rope import rope_tables
@@ -74,16 +74,14 @@ class M3Model(nnx.Module):
         mode: ForwardMode = ForwardMode(),
         *,
         output_hidden_states: bool = False,
-    ) -> tuple[jax.Array, list[dict]]:
+    ) -> tuple[jax.Array, list[LayerStats]]:
         """tokens, positions, segment_ids: [B, S] int32 (segment 0 = padding); vision: packed
         patches and the placeholder -> feature-row index (m3jax/vision_inputs.py), or None;
         mode: static switches of the MSA layers (warm-up, indexer loss, recall).
 
-        Returns logits [B, S, V] fp32 and, per layer stack, stats stacked over its layers:
-        "moe" {load, score_share, experts}, "msa" {blocks, and kl / recall as `mode` asks}, with
-        mode.kv_cache "cache" (keys, values, index keys: m3jax/kv_cache.py), and with
-        output_hidden_states "hidden" (each layer's output). The embeddings after the
-        placeholder scatter are `embeddings(...)`.
+        Returns logits [B, S, V] fp32 and, per layer stack, its LayerStats stacked over its layers
+        (m3jax/decoder.py: moe, msa, with mode.kv_cache the cache, with output_hidden_states each
+        layer's output). The embeddings after the placeholder scatter are `embeddings(...)`.
         """
         _, hidden, _, stats = self._trunk(
             tokens, positions, segment_ids, vision, mode, output_hidden_states
@@ -97,10 +95,10 @@ class M3Model(nnx.Module):
         segment_ids: jax.Array,
         vision: VisionInputs | None = None,
         mode: ForwardMode = ForwardMode(),
-    ) -> tuple[jax.Array, list[dict], list[dict]]:
+    ) -> tuple[jax.Array, list[LayerStats], list[MTPOutput]]:
         """`__call__` plus the MTP modules, both up to the lm_head: (the final-normed hidden
-        states [B, S, D] in config.dtype, stats, per module {"normed" [B, S, D], "segment_ids",
-        "moe"/"msa" stats}; see MultiTokenPrediction; empty without MTP modules). `head` gives
+        states [B, S, D] in config.dtype, stats, one MTPOutput per module (m3jax/mtp.py; none
+        without MTP modules)). `head` gives
         their logits; the training loss applies the lm_head itself in token chunks
         (pretrain/chunked_loss.py), so no [B, S, V] logits exist."""
         embeddings, hidden, inputs, stats = self._trunk(
@@ -191,7 +189,7 @@ class Functional:
         mode: ForwardMode = ForwardMode(),
         *,
         output_hidden_states: bool = False,
-    ) -> tuple[jax.Array, list[dict]]:
+    ) -> tuple[jax.Array, list[LayerStats]]:
         """Forward pass: see M3Model.__call__."""
         model = nnx.merge(self.graphdef, params, buffers)
         return model(
@@ -207,7 +205,7 @@ class Functional:
         segment_ids: jax.Array,
         vision: VisionInputs | None = None,
         mode: ForwardMode = ForwardMode(),
-    ) -> tuple[jax.Array, list[dict], list[dict]]:
+    ) -> tuple[jax.Array, list[LayerStats], list[MTPOutput]]:
         """Forward pass with the MTP modules (training), up to the lm_head (`params["lm_head"]`,
         [D, V]): see M3Model.normed_with_mtp."""
         model = nnx.merge(self.graphdef, params, buffers)
@@ -236,22 +234,25 @@ class Functional:
     def rebalanced(self, buffers: dict, loads: list, rate: float) -> dict:
         """Buffers after one aux-loss-free step of every router bias.
 
-        loads: the tokens routed to each expert, per layer stack ([layers, E], from `apply`'s
-        stats) then per MTP module ([1, E]); None for stacks or modules without MoE.
+        loads: the tokens routed to each expert (MoEStats.load), per layer stack ([layers, E])
+        then per MTP module ([1, E]); None for stacks or modules without MoE, which own no
+        buffers. A stack's or module's buffers are its MoE routers' biases, whatever their path.
         """
         num_stacks = len(layer_runs(self.config))
-        stacks = dict(buffers.get("stacks", {}))
-        for i, load in enumerate(loads[:num_stacks]):
-            if load is not None:
-                bias = balanced_bias(stacks[i]["layers"]["mlp"]["correction_bias"], load, rate)
-                stacks[i] = {"layers": {"mlp": {"correction_bias": bias}}}
-        rebalanced = {**buffers, "stacks": stacks} if stacks else dict(buffers)  # no MoE: none
-        if any(load is not None for load in loads[num_stacks:]):
-            depths = dict(buffers["mtp"]["depths"])
-            for i, load in enumerate(loads[num_stacks:]):
-                bias = balanced_bias(depths[i]["layer"]["mlp"]["correction_bias"], load[0], rate)
-                depths[i] = {"layer": {"mlp": {"correction_bias": bias}}}
-            rebalanced["mtp"] = {"depths": depths}
+
+        def moved(tree: dict, load: jax.Array) -> dict:
+            return jax.tree.map(
+                lambda bias: balanced_bias(bias, load.reshape(bias.shape), rate), tree
+            )
+
+        rebalanced = dict(buffers)
+        if "stacks" in buffers:
+            stacks = buffers["stacks"]
+            rebalanced["stacks"] = {i: moved(stacks[i], loads[i]) for i in stacks}
+        if "mtp" in buffers:
+            depths = buffers["mtp"]["depths"]
+            moved_depths = {i: moved(depths[i], loads[num_stacks + i]) for i in depths}
+            rebalanced["mtp"] = {**buffers["mtp"], "depths": moved_depths}
         return rebalanced
 
 

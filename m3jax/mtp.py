@@ -23,6 +23,8 @@ no MTP (spec §3.8); m3jax/convert/layout.py names these weights `mtp.*` for exp
 Shapes: B batch, S sequence, D model width, V vocab.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -31,8 +33,16 @@ from jax.sharding import Mesh
 from m3jax import context_parallel, params
 from m3jax.attention import AttentionInputs, ForwardMode
 from m3jax.config import ModelConfig
-from m3jax.decoder import DecoderLayer
+from m3jax.decoder import DecoderLayer, LayerStats
 from m3jax.norms import RMSNorm
+
+
+class MTPOutput(NamedTuple):
+    """One MTP module's output."""
+
+    normed: jax.Array  # [B, S, D] after its final norm: the lm_head's input (token s + i + 2)
+    segment_ids: jax.Array  # [B, S], 0 where position s has no such target in its piece
+    stats: LayerStats  # its decoder layer's, without a layer axis
 
 
 def shifted(x: jax.Array, shift: int, fill=0) -> jax.Array:
@@ -60,7 +70,7 @@ class MTPModule(nnx.Module):
 
     def __call__(
         self, embeddings: jax.Array, hidden: jax.Array, inputs: AttentionInputs, mode: ForwardMode
-    ) -> tuple[jax.Array, dict]:
+    ) -> tuple[jax.Array, LayerStats]:
         """embeddings (already shifted), hidden: [B, S, D] -> (this depth's hidden [B, S, D],
         the decoder layer's stats)."""
         x = jnp.concatenate([self.embed_norm(embeddings), self.hidden_norm(hidden)], axis=-1)
@@ -85,14 +95,9 @@ class MultiTokenPrediction(nnx.Module):
         hidden: jax.Array,
         inputs: AttentionInputs,
         mode: ForwardMode,
-    ) -> list[dict]:
+    ) -> list[MTPOutput]:
         """embeddings: the trunk's input embeddings [B, S, D]; hidden: its last layer's output
-        [B, S, D] (before the final norm).
-
-        Returns per module {"normed" [B, S, D]: its output after its final norm, the lm_head's
-        input (predicting token s + i + 2), "segment_ids" [B, S] (0 where position s has no such
-        target in its piece), and the decoder layer's stats ("moe", "msa") without a layer axis}.
-        """
+        [B, S, D] (before the final norm). Returns one MTPOutput per module."""
         outputs = []
         for depth, module in enumerate(self.depths):
             segment_ids = depth_segment_ids(inputs.segment_ids, depth)
@@ -100,5 +105,5 @@ class MultiTokenPrediction(nnx.Module):
             ahead = shifted(embeddings, depth + 1)
             hidden, stats = module(ahead, hidden, depth_inputs, mode)
             normed = module.final_norm(hidden)
-            outputs.append({"normed": normed, "segment_ids": segment_ids, **stats})
+            outputs.append(MTPOutput(normed, segment_ids, stats))
         return outputs

@@ -1,14 +1,27 @@
 """Training losses: next-token cross-entropy on masked targets, z-loss, MoE load-balance loss,
 multi-token-prediction targets, the per-document-kind breakdown of the LM loss that multimodal runs
-log, and `loss_totals`: the denominators of these means over a whole batch, which lets a batch's
-loss be computed in parts (gradient accumulation, evaluation) that add up to it exactly."""
+log, `loss_totals`: the denominators of these means over a whole batch, which lets a batch's
+loss be computed in parts (gradient accumulation, evaluation) that add up to it exactly, and
+`total_loss`: the one place the terms are weighted and added."""
 
 import jax
 import jax.numpy as jnp
 
 from m3jax.mtp import depth_segment_ids, shifted
+from pretrain.config import RunConfig
 
 MODALITIES = ("text", "image", "video")  # data.mm_loader's modality codes 0, 1, 2
+
+
+def total_loss(
+    run: RunConfig, *, nll, z_loss, mtp_nll=0.0, balance=0.0, indexer_kl=0.0
+) -> jax.Array:
+    """LM cross-entropy + z_loss_weight · z-loss + mtp.loss_weight · mean MTP LM loss
+    + moe.balance_loss_weight · balance loss + msa.kl_weight · Σ indexer KL over MSA layers (whose
+    gradient reaches only the indexers). A term a model lacks is 0.0."""
+    model = run.model
+    loss = nll + run.optimizer.z_loss_weight * z_loss + model.mtp.loss_weight * mtp_nll
+    return loss + model.moe.balance_loss_weight * balance + model.msa.kl_weight * indexer_kl
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -12,6 +12,7 @@ per token.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,19 @@ from m3jax.moe.local import (
     sorted_experts,
 )
 from m3jax.moe.router import route
+
+
+class MoEStats(NamedTuple):
+    """An MoE layer's routing statistics, the same whatever the dispatch and exchange (stacked
+    layers: a leading layer axis on each)."""
+
+    load: jax.Array  # [E] fp32 tokens routed to each expert (padding excluded)
+    score_share: jax.Array  # [E] fp32 Σ over tokens of each expert's normalised router score
+    experts: jax.Array  # [B, S, k] int32 the experts each token was routed to (no order)
+    # share of (token, expert) pairs that capacity limits dropped (padding included); 0 but for
+    # capacity dispatch
+    dropped_fraction: jax.Array
+    exchange_worst_case: jax.Array  # 1.0 when the padded exchange needed worst-case blocks
 
 
 class MoE(nnx.Module):
@@ -56,15 +70,9 @@ class MoE(nnx.Module):
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.mesh = mesh
 
-    def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, MoEStats]:
         """x: [B, S, D]; token_mask: [B, S] (False for padding, excluded from load statistics).
-
-        Returns the output [B, S, D] and statistics: load and score_share [E] fp32 per expert,
-        experts [B, S, k] int32: the experts each token was routed to (in no particular order),
-        dropped_fraction, the share of (token, expert) pairs that capacity limits dropped (padding
-        included; 0 unless dispatch is "capacity"), and exchange_worst_case, 1.0 when the padded
-        expert-parallel exchange needed its worst-case blocks in this call (else 0).
-        """
+        Returns the output [B, S, D] and the layer's MoEStats."""
         moe, shape, dtype = self.config, x.shape, x.dtype
         tokens = x.reshape(-1, shape[-1])  # [N, D]
         logits = tokens.astype(jnp.float32) @ self.router[...]  # router in fp32 on every path
@@ -106,13 +114,13 @@ class MoE(nnx.Module):
 
         mask = token_mask.reshape(-1, 1).astype(jnp.float32)
         load = jnp.zeros((moe.num_experts,), jnp.float32).at[chosen].add(mask)
-        stats = {
-            "load": load,  # tokens routed to each expert
-            "score_share": (scores / scores.sum(-1, keepdims=True) * mask).sum(0),
-            "experts": chosen.reshape(*shape[:-1], moe.experts_per_token),
-            "dropped_fraction": dropped.astype(jnp.float32) / chosen.size,
-            "exchange_worst_case": worst_case,
-        }
+        stats = MoEStats(
+            load=load,
+            score_share=(scores / scores.sum(-1, keepdims=True) * mask).sum(0),
+            experts=chosen.reshape(*shape[:-1], moe.experts_per_token),
+            dropped_fraction=dropped.astype(jnp.float32) / chosen.size,
+            exchange_worst_case=worst_case,
+        )
         return out.reshape(shape), stats
 
     def _shared_expert_in_exchange(self, dtype) -> expert_parallel.Beside | None:

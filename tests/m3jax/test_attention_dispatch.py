@@ -141,7 +141,7 @@ def test_model_loss_and_gradients_equal_with_kernels_and_xla():
 
         def loss(params):
             logits, stats = model.apply(params, buffers, tokens, positions, segments, mode=mode)
-            kl = sum(s["msa"]["kl"].sum() for s in stats if "msa" in s)
+            kl = sum(s.msa.kl.sum() for s in stats if s.msa is not None)
             return jnp.mean(jax.nn.logsumexp(logits, -1)) + kl
 
         results.append(jax.value_and_grad(loss)(params))
@@ -180,7 +180,7 @@ def test_save_attention_remat_runs_the_msa_kernels_forward_once(remat, forward_r
 
         def loss(params):
             logits, stats = model.apply(params, buffers, tokens, positions, segments, mode=mode)
-            kl = sum(s["msa"]["kl"].sum() for s in stats if "msa" in s)
+            kl = sum(s.msa.kl.sum() for s in stats if s.msa is not None)
             return jnp.mean(jax.nn.logsumexp(logits, -1)) + kl
 
         return jax.grad(loss), params

@@ -73,12 +73,12 @@ def test_expert_parallel_equals_one_device(mesh_name, dispatch, exchange):
     assert_trees_close(out, out_ref, err_msg=mesh_name)
     assert_trees_close(grads, grads_ref, err_msg=mesh_name)
     # Router statistics are global (computed outside the shard_map): what the bias update needs.
-    np.testing.assert_array_equal(stats["load"], stats_ref["load"])
-    np.testing.assert_allclose(stats["score_share"], stats_ref["score_share"], rtol=1e-6)
-    assert float(stats["dropped_fraction"]) == 0.0
+    np.testing.assert_array_equal(stats.load, stats_ref.load)
+    np.testing.assert_allclose(stats.score_share, stats_ref.score_share, rtol=1e-6)
+    assert float(stats.dropped_fraction) == 0.0
     if exchange == "ragged":  # padded: which branch runs depends on the loads (tested below)
-        assert float(stats["exchange_worst_case"]) == 0.0
-    assert np.asarray(stats["load"])[-1] == 0
+        assert float(stats.exchange_worst_case) == 0.0
+    assert np.asarray(stats.load)[-1] == 0
 
 
 def busiest_exchange(experts: np.ndarray, parts: int, num_experts: int) -> tuple[int, int]:
@@ -100,7 +100,7 @@ def test_padded_exchange_is_exact_whether_blocks_fit_or_not(mesh_name, monkeypat
     mesh, parts = mesh_of(mesh_name), MESHES[mesh_name]["expert"]
     out_ref, stats_ref, grads_ref = one_device("dropless", NO_DROPS)
     config = moe_config(dispatch="dropless", exchange="padded")
-    tokens, rows = busiest_exchange(stats_ref["experts"], parts, config.moe.num_experts)
+    tokens, rows = busiest_exchange(stats_ref.experts, parts, config.moe.num_experts)
     _, worst = padded.padded_blocks(
         B * S // parts, config.moe.experts_per_token, config.moe.num_experts, parts, 1.0
     )
@@ -115,7 +115,7 @@ def test_padded_exchange_is_exact_whether_blocks_fit_or_not(mesh_name, monkeypat
         out, stats, grads = run(config, random_state(config), *inputs(), mesh=mesh)
         assert_trees_close(out, out_ref, err_msg=f"{mesh_name} {blocks}")
         assert_trees_close(grads, grads_ref, err_msg=f"{mesh_name} {blocks}")
-        assert float(stats["exchange_worst_case"]) == worst_case
+        assert float(stats.exchange_worst_case) == worst_case
 
 
 @pytest.mark.parametrize("num_experts, k, parts", [(4, 2, 2), (8, 3, 2), (8, 2, 4), (6, 4, 3)])
@@ -150,9 +150,9 @@ def test_expert_parallel_capacity_drops_as_each_device_alone(mesh_name):
         run(config, state, *(a[i * rows : (i + 1) * rows] for a in (x, mask, cotangent)))
         for i in range(parts)
     ]
-    dropped = np.mean([float(s[1]["dropped_fraction"]) for s in shards])
+    dropped = np.mean([float(s[1].dropped_fraction) for s in shards])
     assert dropped > 0.05  # the skewed router overflows experts 0 and 1
-    np.testing.assert_allclose(float(stats["dropped_fraction"]), dropped, rtol=1e-6)
+    np.testing.assert_allclose(float(stats.dropped_fraction), dropped, rtol=1e-6)
     assert_trees_close(out, jnp.concatenate([s[0] for s in shards]))
     state_grads = jax.tree.map(lambda *g: sum(g), *[s[2]["state"] for s in shards])
     assert_trees_close(grads["state"], state_grads)

@@ -305,5 +305,5 @@ def test_moe_matches_per_token_loop():
             share += s / s.sum()
     assert bias_mattered  # the correction bias changed some token's experts
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(stats["load"]), load)
-    np.testing.assert_allclose(np.asarray(stats["score_share"]), share, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(stats.load), load)
+    np.testing.assert_allclose(np.asarray(stats.score_share), share, rtol=1e-5)

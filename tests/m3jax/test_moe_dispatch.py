@@ -34,7 +34,7 @@ def test_dispatch_modes_agree_with_dense_when_nothing_drops():
     config = moe_config()
     state, (x, mask, cotangent) = random_state(config), inputs()
     out, stats, grads = run(with_moe(config, dispatch="dense"), state, x, mask, cotangent)
-    load = np.asarray(stats["load"])
+    load = np.asarray(stats.load)
     assert load[-1] == 0 and load.max() > 2 * load.mean()  # uneven, one expert idle
     assert np.abs(np.asarray(grads["state"]["router"])).max() > 0
     for dispatch, factor in (("dropless", 1.0), ("capacity", 4.0)):  # C = ⌈4 · N·2 / 8⌉ = N
@@ -42,9 +42,9 @@ def test_dispatch_modes_agree_with_dense_when_nothing_drops():
         out_v, stats_v, grads_v = run(variant, state, x, mask, cotangent)
         assert_trees_close(out_v, out, err_msg=dispatch)
         assert_trees_close(grads_v, grads, err_msg=dispatch)
-        np.testing.assert_array_equal(stats_v["load"], stats["load"])
-        np.testing.assert_allclose(stats_v["score_share"], stats["score_share"], rtol=1e-6)
-        assert float(stats_v["dropped_fraction"]) == 0.0
+        np.testing.assert_array_equal(stats_v.load, stats.load)
+        np.testing.assert_allclose(stats_v.score_share, stats.score_share, rtol=1e-6)
+        assert float(stats_v.dropped_fraction) == 0.0
 
 
 def test_capacity_drops_the_latest_tokens_of_a_full_expert():
@@ -66,8 +66,8 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
     out, stats, grads = run(config, state, x, mask, cotangent)
     reference, _, _ = run(with_moe(config, dispatch="dense"), state, x, mask, cotangent)
     no_routed, _, _ = run(with_moe(config, routed_scaling=0.0), state, x, mask, cotangent)
-    np.testing.assert_array_equal(stats["load"], [4, 2])
-    np.testing.assert_allclose(float(stats["dropped_fraction"]), 1 / 6)
+    np.testing.assert_array_equal(stats.load, [4, 2])
+    np.testing.assert_allclose(float(stats.dropped_fraction), 1 / 6)
     # capacity and dense dispatch sum in different orders: float32 rounding, also near zero
     close = dict(rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out[0, :5], reference[0, :5], **close)
@@ -81,7 +81,7 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
 
     larger = with_moe(config, capacity_factor=4 / 3)  # C = 4: nothing drops
     out, stats, _ = run(larger, state, x, mask, cotangent)
-    assert float(stats["dropped_fraction"]) == 0.0
+    assert float(stats.dropped_fraction) == 0.0
     np.testing.assert_allclose(out, reference, **close)
 
 
@@ -108,8 +108,8 @@ def test_moe_block_with_the_kernel_equals_ragged_dot():
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):  # the kernels on CPU
         got = run(config, state, x, mask, cotangent)
     expected = run(with_moe(config, grouped_matmul="xla"), state, x, mask, cotangent)
-    np.testing.assert_array_equal(got[1]["load"], expected[1]["load"])
-    assert np.asarray(got[1]["load"])[-1] == 0  # the idle expert
+    np.testing.assert_array_equal(got[1].load, expected[1].load)
+    assert np.asarray(got[1].load)[-1] == 0  # the idle expert
     for a, b in zip(jax.tree.leaves((got[0], got[2])), jax.tree.leaves((expected[0], expected[2]))):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.abs(a - b).max() <= 3e-2 * np.abs(b).max()

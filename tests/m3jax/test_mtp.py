@@ -17,7 +17,7 @@ def mtp_logits(params, buffers, tokens, segment_ids):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     model = functional(RUN.model)
     _, _, outputs = model.apply_normed_with_mtp(params, buffers, tokens, positions, segment_ids)
-    return [np.asarray(model.head(params, buffers, out["normed"])) for out in outputs]
+    return [np.asarray(model.head(params, buffers, out.normed)) for out in outputs]
 
 
 def test_mtp_module_i_at_position_s_sees_tokens_up_to_s_plus_i_plus_1():
@@ -57,4 +57,4 @@ def test_mtp_modules_leave_the_trunk_unchanged():
     trunk_buffers = {k: v for k, v in buffers.items() if k != "mtp"}
     without, _ = plain.apply(trunk_params, trunk_buffers, *inputs)
     np.testing.assert_allclose(with_mtp, without, rtol=0, atol=1e-6)
-    assert len(outputs) == 2 and outputs[1]["normed"].shape == normed.shape
+    assert len(outputs) == 2 and outputs[1].normed.shape == normed.shape

@@ -32,7 +32,7 @@ def test_indexer_kl_gradient_reaches_only_the_indexer():
         _, stats = model.apply(
             params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], mode=TRAIN
         )
-        return sum(s["msa"]["kl"].sum() for s in stats if "msa" in s)
+        return sum(s.msa.kl.sum() for s in stats if s.msa is not None)
 
     grads = jax.grad(total_kl)(params)
     flat = jax.tree_util.tree_leaves_with_path(grads)

@@ -35,7 +35,7 @@ def test_mtp_loss_and_router_biases_train_the_modules():
     )
     for depth in (0, 1):
         targets, weight = mtp_targets(batch, depth)
-        logits = model.head(params, buffers, outputs[depth]["normed"])
+        logits = model.head(params, buffers, outputs[depth].normed)
         nll = np.asarray(token_losses(logits, targets)[0])
         expected = (nll * weight).sum() / weight.sum()
         np.testing.assert_allclose(metrics[f"mtp_nll{depth}"], expected, rtol=1e-5)

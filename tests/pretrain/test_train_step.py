@@ -48,7 +48,7 @@ def test_train_step_moves_router_bias_against_load():
         state["buffers"],
         *(make_batch()[k] for k in ("tokens", "positions", "segment_ids")),
     )
-    load = np.asarray(stats[1]["moe"]["load"])[0]
+    load = np.asarray(stats[1].moe.load)[0]
     new_state, _ = step(state, make_batch())
     bias = np.asarray(new_state["buffers"]["stacks"][1]["layers"]["mlp"]["correction_bias"])[0]
     rate = run.model.moe.bias_update_rate
@@ -110,7 +110,7 @@ def test_capacity_dispatch_reports_the_dropped_fraction():
         state["buffers"],
         *(make_batch()[k] for k in ("tokens", "positions", "segment_ids")),
     )
-    expected = float(np.asarray(stats[1]["moe"]["dropped_fraction"]).mean())
+    expected = float(np.asarray(stats[1].moe.dropped_fraction).mean())
     _, metrics = step(state, make_batch())
     assert expected >= 0.5
     np.testing.assert_allclose(float(metrics["moe_dropped_fraction"]), expected, rtol=1e-6)
