@@ -15,11 +15,11 @@ from pretrain.loss import MODALITIES, load_balance_loss, masked_mean, modality_w
 def layer_labels(config: ModelConfig) -> dict[str, list[str]]:
     """Metric suffixes of the MoE and MSA layers, in the order of the stats: "layer3", "mtp0"."""
     mtp = [f"mtp{d}" for d in range(config.mtp.num_modules)]
-    moe = [f"layer{i}" for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"]
-    msa = [f"layer{i}" for i, kind in enumerate(config.layer_types) if kind == "minimax_m3_sparse"]
+    moe = [f"layer{i}" for i in config.moe_layers]
+    msa = [f"layer{i}" for i in config.msa_layers]
     return {
-        "moe": moe + (mtp if config.mlp_layer_types[-1] == "sparse" else []),
-        "msa": msa + (mtp if config.layer_types[-1] == "minimax_m3_sparse" else []),
+        "moe": moe + (mtp if config.mlp_layer_types[-1] == "moe" else []),
+        "msa": msa + (mtp if config.layer_types[-1] == "msa" else []),
     }
 
 
