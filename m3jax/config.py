@@ -8,6 +8,8 @@ rejected in `__post_init__` with a message that names the field and its value.
 import dataclasses
 import warnings
 
+from batch_format.vision import patch_dim
+
 ATTENTION_TYPES = ("full", "msa")  # per layer: full causal attention, or MiniMax Sparse Attention
 MLP_TYPES = ("dense", "moe")  # per layer: the dense MLP, or the mixture of experts
 # transformers' names, which configs written before these kinds used; read with a rename message
@@ -146,8 +148,8 @@ class VisionConfig:
 
     @property
     def patch_dim(self) -> int:
-        """Width of one row of pixel_values: C·T·P·P (1176), ordered (c, t, y, x)."""
-        return self.num_channels * self.temporal_patch_size * self.patch_size**2
+        """Width of one row of pixel_values (1176), ordered (c, t, y, x): batch_format/vision.py."""
+        return patch_dim(self.temporal_patch_size, self.patch_size, self.num_channels)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,10 +6,11 @@ are taken over the whole batch's totals, or divided by the number of parts."""
 import jax
 import jax.numpy as jnp
 
+from batch_format.modality import MODALITIES
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStats
 from m3jax.mtp import MTPOutput
-from pretrain.loss import MODALITIES, load_balance_loss, masked_mean, modality_weights
+from pretrain.loss import load_balance_loss, masked_mean, modality_weights
 
 
 def layer_labels(config: ModelConfig) -> dict[str, list[str]]:
