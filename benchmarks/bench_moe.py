@@ -256,7 +256,7 @@ def layer_config(
                     dispatch=dispatch, capacity_factor=capacity_factor, exchange=exchange,
                     exchange_factor=factor)  # fmt: skip
     return ModelConfig(vocab_size=16, hidden_size=shape["dim"], num_layers=1, dtype=dtype,
-                       layer_types=("full_attention",), mlp_layer_types=("sparse",), moe=moe)  # fmt: skip
+                       layer_types=("full",), mlp_layer_types=("moe",), moe=moe)  # fmt: skip
 
 
 def layer_state(config: ModelConfig, mesh=None) -> dict:

@@ -1,7 +1,7 @@
 """Training-step throughput of a config and its variants on one device, in one process.
 
     python -m benchmarks.bench_train --config configs/small-gpu.yaml \
-        --variants "" "model.attention_impl=xla" "model.layer_types=[full_attention*12]"
+        --variants "" "model.attention_impl=xla" "model.layer_types=[full*12]"
 
 Each variant is the config with `section.key=value` overrides (space-separated inside one
 argument). A variant's step is `pretrain.train_step.make_train_step` jitted, on synthetic packed

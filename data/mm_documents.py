@@ -15,6 +15,8 @@ import dataclasses
 
 import numpy as np
 
+from batch_format.modality import IMAGE, TEXT, VIDEO
+from batch_format.vision import vit_positions
 from data.media import MediaError, decode_image, decode_video_frames
 from data.shard_format import ShardFormatError, decode_record
 from data.shard_reader import RawRecord
@@ -23,10 +25,8 @@ from data.vision_processing import (
     process_image,
     process_video,
     sample_frame_indices,
-    vit_positions,
 )
 
-TEXT, IMAGE, VIDEO = 0, 1, 2  # modality ids in batches
 # Why a record is skipped: unreadable shard or record, not a valid record, media that do not
 # decode or process, a vision unit larger than a row.
 SKIP_REASONS = ("unreadable", "malformed", "bad_media", "too_large")

@@ -42,7 +42,8 @@ from collections.abc import Callable, Sequence
 import grain
 import numpy as np
 
-from data.mm_documents import IMAGE, SKIP_REASONS, TEXT, VIDEO, DocumentProcessor
+from batch_format.modality import IMAGE, TEXT, VIDEO
+from data.mm_documents import SKIP_REASONS, DocumentProcessor
 from data.packing import PackIterDataset
 from data.provenance import describe
 from data.shard_reader import ShardSet

@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from batch_format.vision import patch_dim
 from data.bicubic import resize_bicubic_uint8
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -72,7 +73,7 @@ class ProcessorConfig:
 
     @property
     def patch_dim(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size**2
+        return patch_dim(self.temporal_patch_size, self.patch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,22 +141,6 @@ def patchify(
     # axes: 0 t, 1 T, 2 block row, 3 row in block, 4 y, 5 block col, 6 col in block, 7 x, 8 c
     x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
     return np.ascontiguousarray(x).reshape(grid_t * grid_h * grid_w, -1), (grid_t, grid_h, grid_w)
-
-
-def vit_positions(grid: tuple[int, int, int], merge_size: int = 2) -> np.ndarray:
-    """int32 [t·h·w, 3]: the (t, h, w) id of every patch row, in patchify's block-major order."""
-    grid_t, grid_h, grid_w = grid
-    tt, block_row, block_col, in_row, in_col = np.meshgrid(
-        np.arange(grid_t),
-        np.arange(grid_h // merge_size),
-        np.arange(grid_w // merge_size),
-        np.arange(merge_size),
-        np.arange(merge_size),
-        indexing="ij",
-    )
-    rows = block_row * merge_size + in_row
-    cols = block_col * merge_size + in_col
-    return np.stack([tt, rows, cols], axis=-1).reshape(-1, 3).astype(np.int32)
 
 
 def process_image(rgb: np.ndarray, config: ProcessorConfig) -> VisionItem:

@@ -1,7 +1,7 @@
 """M3 attention: GQA with per-head QK norm and partial RoPE; on sparse layers, MSA block selection.
 
 spec/m3_architecture.md §3.4-3.5. Order: project -> per-head Gemma norm -> RoPE -> attention.
-A "minimax_m3_sparse" layer adds the lightning indexer: it reads the same normed hidden state, but
+A "msa" layer adds the lightning indexer: it reads the same normed hidden state, but
 through stop_gradient (spec/msa.md §2: the LM loss never trains the indexer; its own KL loss does),
 scores key blocks and keeps the top-k per (query, index head); query head h uses the selection of
 index head h // G, the same grouping as GQA. During the MSA warm-up (`ForwardMode.msa_dense`) the

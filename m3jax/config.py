@@ -6,9 +6,17 @@ rejected in `__post_init__` with a message that names the field and its value.
 """
 
 import dataclasses
+import warnings
 
-ATTENTION_TYPES = ("full_attention", "minimax_m3_sparse")
-MLP_TYPES = ("dense", "sparse")
+from batch_format.vision import patch_dim
+
+ATTENTION_TYPES = ("full", "msa")  # per layer: full causal attention, or MiniMax Sparse Attention
+MLP_TYPES = ("dense", "moe")  # per layer: the dense MLP, or the mixture of experts
+# transformers' names, which configs written before these kinds used; read with a rename message
+RENAMED_TYPES = {
+    "layer_types": {"full_attention": "full", "minimax_m3_sparse": "msa"},
+    "mlp_layer_types": {"sparse": "moe"},
+}
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
@@ -31,9 +39,9 @@ class MSAConfig:
     block_size: int = 128  # keys per block
     topk_blocks: int = 16  # blocks kept per (query, index head), local blocks included
     local_blocks: int = 1  # blocks ending at the query's own block that are always kept
-    # Training (spec/msa.md §2): loss = LM + kl_weight · Σ_sparse layers KL(attention ‖ indexer).
+    # Training (spec/msa.md §2): loss = LM + kl_weight · Σ_MSA layers KL(attention ‖ indexer).
     kl_weight: float = 1.0
-    # Dense warm-up: for the first warmup_tokens training tokens sparse layers attend densely and
+    # Dense warm-up: for the first warmup_tokens training tokens MSA layers attend densely and
     # the indexer learns from the dense attention distribution; then selection switches on.
     warmup_tokens: int = 0
 
@@ -142,8 +150,8 @@ class VisionConfig:
 
     @property
     def patch_dim(self) -> int:
-        """Width of one row of pixel_values: C·T·P·P (1176), ordered (c, t, y, x)."""
-        return self.num_channels * self.temporal_patch_size * self.patch_size**2
+        """Width of one row of pixel_values (1176), ordered (c, t, y, x): batch_format/vision.py."""
+        return patch_dim(self.temporal_patch_size, self.patch_size, self.num_channels)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -170,8 +178,17 @@ def _require_positive_ints(config, prefix: str, may_be_zero: tuple[str, ...] = (
             raise ValueError(f"{prefix}{field.name}={value} must be >= {lowest}")
 
 
+def _renamed_kinds(kinds: tuple[str, ...], field: str) -> tuple[str, ...]:
+    renames = RENAMED_TYPES[field]
+    for old in sorted(set(kinds) & set(renames)):
+        warnings.warn(
+            f"{field}: {old!r} is now {renames[old]!r}; rename it in the config", stacklevel=4
+        )
+    return tuple(renames.get(kind, kind) for kind in kinds)
+
+
 def expand_layer_pattern(entries: tuple[str, ...], field: str) -> tuple[str, ...]:
-    """`("full_attention*3", "minimax_m3_sparse*57")` -> 60 names; plain names count once."""
+    """`("full*3", "msa*57")` -> 60 names; plain names count once."""
     names = []
     for entry in entries:
         name, _, count = entry.partition("*")
@@ -198,9 +215,10 @@ class ModelConfig:
     dense_mlp_dim: int = 12288  # MLP width of "dense" layers
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    # Per layer, as transformers' layer_types / mlp_layer_types; "name*N" repeats a name N times.
-    layer_types: tuple[str, ...] = ("full_attention*3", "minimax_m3_sparse*57")
-    mlp_layer_types: tuple[str, ...] = ("dense*3", "sparse*57")
+    # Per layer, full | msa and dense | moe (m3jax/convert/hf_config.py maps transformers' names);
+    # "name*N" repeats a name N times.
+    layer_types: tuple[str, ...] = ("full*3", "msa*57")
+    mlp_layer_types: tuple[str, ...] = ("dense*3", "moe*57")
     init_std: float = 0.02
     dtype: str = (
         "float32"  # activation/matmul dtype; params stay float32, norms/softmax/router fp32
@@ -215,12 +233,9 @@ class ModelConfig:
     vision: VisionConfig | None = None  # None: a text-only model (no vision tower or projector)
 
     def __post_init__(self):
-        object.__setattr__(
-            self, "layer_types", expand_layer_pattern(self.layer_types, "layer_types")
-        )
-        object.__setattr__(
-            self, "mlp_layer_types", expand_layer_pattern(self.mlp_layer_types, "mlp_layer_types")
-        )
+        for field in ("layer_types", "mlp_layer_types"):
+            kinds = expand_layer_pattern(getattr(self, field), field)
+            object.__setattr__(self, field, _renamed_kinds(kinds, field))
         _require_positive_ints(self, "")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -241,7 +256,7 @@ class ModelConfig:
             for i, kind in enumerate(kinds):
                 if kind not in allowed:
                     raise ValueError(f"{field}[{i}]={kind!r} is not one of {allowed}")
-        if "minimax_m3_sparse" in self.layer_types:
+        if self.msa_layers:
             if self.msa.index_heads != self.num_kv_heads:
                 raise ValueError(
                     f"msa.index_heads={self.msa.index_heads} must equal "
@@ -275,3 +290,13 @@ class ModelConfig:
 
     def layer_kind(self, i: int) -> tuple[str, str]:
         return self.layer_types[i], self.mlp_layer_types[i]
+
+    @property
+    def msa_layers(self) -> tuple[int, ...]:
+        """The indices of the MSA layers (the MTP modules' layers not included)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "msa")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the MoE layers (the MTP modules' layers not included)."""
+        return tuple(i for i, kind in enumerate(self.mlp_layer_types) if kind == "moe")

@@ -80,11 +80,11 @@ def document_attention_flops(
     config: ModelConfig, attention_type: str, lengths, *, msa_dense: bool = False
 ) -> float:
     """Forward FLOPs of one layer's attention products over documents of these lengths, causal
-    within each. attention_type: "full_attention" | "minimax_m3_sparse"; msa_dense: MSA's
+    within each. attention_type: "full" | "msa"; msa_dense: MSA's
     warm-up (its main branch dense)."""
     per_key = 4 * config.num_heads * config.head_dim
     every_key = causal_keys(lengths).sum()
-    if attention_type == "full_attention":
+    if attention_type == "full":
         return float(per_key * every_key)
     msa = config.msa
     kept = every_key if msa_dense else causal_keys(lengths, msa.topk_blocks * msa.block_size).sum()

@@ -1,7 +1,7 @@
 """Decoder layers and scanned stacks of identical layers.
 
 A layer is pre-norm: h = x + Attn(norm_in(x)); out = h + MLP(norm_post(h)), where MLP is the MoE
-block on "sparse" layers and the dense MLP on "dense" layers (spec/m3_architecture.md §3.2).
+block on "moe" layers and the dense MLP on "dense" layers (spec/m3_architecture.md §3.2).
 Consecutive layers of the same kind form a LayerStack whose parameters carry a leading "layers"
 axis and which runs under `lax.scan` (m3jax/stacking.py), so compile time does not grow with depth
 (M3: 3 + 57 layers, two stacks). `decode` runs one new token per row against the stack's KV cache.
@@ -49,11 +49,9 @@ class DecoderLayer(nnx.Module):
     ):
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_norm = RMSNorm(dim, eps)
-        self.attention = Attention(
-            config, sparse=attention_type == "minimax_m3_sparse", rngs=rngs, mesh=mesh
-        )
+        self.attention = Attention(config, sparse=attention_type == "msa", rngs=rngs, mesh=mesh)
         self.post_attention_norm = RMSNorm(dim, eps)
-        if mlp_type == "sparse":
+        if mlp_type == "moe":
             self.mlp = MoE(config, rngs=rngs, mesh=mesh)
         else:
             self.mlp = MLP(

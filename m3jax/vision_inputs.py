@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from batch_format.vision import grid_positions
 from m3jax.config import VisionConfig
 
 
@@ -28,23 +29,6 @@ class VisionInputs(NamedTuple):
     positions: np.ndarray  # [B, P, 3] int32 (t, h, w) inside the patch's grid row
     segment_ids: np.ndarray  # [B, P] int32: 1.. per grid row within a row, 0 = padding
     token_index: np.ndarray  # [B, S] int32: merged feature row (of B·P/m²), -1 = text token
-
-
-def grid_positions(grid_thw: np.ndarray, merge_size: int) -> np.ndarray:
-    """(t, h, w) of every patch of every grid row, in the processor's block-major order (spec §4.3):
-    for t, for m×m window row, for window column, for row in window, for column in window.
-
-    grid_thw: [U, 3] -> [sum(t·h·w), 3] int32; temporal ids restart at 0 for each grid row.
-    """
-    rows = []
-    for t, h, w in np.asarray(grid_thw).tolist():
-        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        windows = (h // merge_size, merge_size, w // merge_size, merge_size)
-        hh = hh.reshape(windows).transpose(0, 2, 1, 3).reshape(-1)
-        ww = ww.reshape(windows).transpose(0, 2, 1, 3).reshape(-1)
-        tt = np.repeat(np.arange(t), h * w)
-        rows.append(np.stack([tt, np.tile(hh, t), np.tile(ww, t)], axis=-1))
-    return np.concatenate(rows).astype(np.int32) if rows else np.zeros((0, 3), np.int32)
 
 
 def pack_vision_inputs(

@@ -230,11 +230,7 @@ class RunConfig:
                 f"data.seq_len={self.data.seq_len} is not a multiple of mesh.seq={self.mesh.seq}"
             )
         experts, expert_devices = self.model.moe.num_experts, self.mesh.expert
-        if (
-            "sparse" in self.model.mlp_layer_types
-            and expert_devices > 0
-            and experts % expert_devices
-        ):
+        if self.model.moe_layers and expert_devices > 0 and experts % expert_devices:
             raise ValueError(
                 f"model.moe.num_experts={experts} is not divisible by mesh.expert={expert_devices} "
                 "(each expert-parallel device holds num_experts / mesh.expert experts)"

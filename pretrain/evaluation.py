@@ -18,11 +18,11 @@ training step's micro-batches (`train.grad_accum_steps`).
 import jax
 import numpy as np
 
-from m3jax.attention import ForwardMode
 from pretrain.accumulation import accumulated
 from pretrain.config import RunConfig
 from pretrain.data_loading import make_eval_loader
 from pretrain.loss import loss_totals
+from pretrain.msa_schedule import forward_mode
 from pretrain.session import TrainingSession
 from pretrain.train_step import make_loss_fn
 
@@ -52,12 +52,8 @@ class Evaluator:
 
     def __call__(self) -> dict[str, float]:
         """One evaluation of the session's current parameters: {"eval_<metric>": value}."""
-        session, phase = self.session, self.session.msa_phase
-        mode = ForwardMode(
-            msa_dense=phase == "dense_warmup",
-            indexer_loss=phase is not None,
-            block_recall=phase is not None,
-        )
+        session = self.session
+        mode = forward_mode(session.run.model, session.tokens_seen, block_recall=True)
         params, buffers = session.state["params"], session.state["buffers"]
         sums = None
         for batch in self.batches:

@@ -7,10 +7,9 @@ loss be computed in parts (gradient accumulation, evaluation) that add up to it 
 import jax
 import jax.numpy as jnp
 
+from batch_format.modality import MODALITIES
 from m3jax.mtp import depth_segment_ids, shifted
 from pretrain.config import RunConfig
-
-MODALITIES = ("text", "image", "video")  # data.mm_loader's modality codes 0, 1, 2
 
 
 def total_loss(

@@ -119,7 +119,7 @@ def plan(run: RunConfig, layers: int | None = None) -> Plan:
 def cpu_stand_ins(run: RunConfig) -> tuple[RunConfig, list[str]]:
     """`run` with what XLA:CPU would plan misleadingly replaced, and a note for each."""
     moe = run.model.moe
-    if moe.dispatch != "dropless" or "sparse" not in run.model.mlp_layer_types:
+    if moe.dispatch != "dropless" or not run.model.moe_layers:
         return run, []
     # XLA:CPU expands ragged_dot into E masked dense products ([E, rows, D] temporaries)
     moe = dataclasses.replace(moe, dispatch="capacity", capacity_factor=moe.exchange_factor)

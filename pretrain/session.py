@@ -27,6 +27,7 @@ from pretrain.data_loading import process_share, run_mesh
 from pretrain.distributed import data_item, gather, own_data_state
 from pretrain.faults import FaultMonitor, check_finite
 from pretrain.mfu import ModelFlops
+from pretrain.msa_schedule import forward_mode, msa_phase
 from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.resume_checks import schedule_steps
 from pretrain.train_step import init_state, make_train_step
@@ -53,7 +54,7 @@ class TrainingSession:
         self.run, self.checkpoints, self.report = run, checkpoints, report
         self.mesh = run_mesh(run)
         experts, expert_devices = run.model.moe.num_experts, self.mesh.shape[sharding.EXPERT_AXIS]
-        if "sparse" in run.model.mlp_layer_types and experts % expert_devices:
+        if run.model.moe_layers and experts % expert_devices:
             raise ConfigError(
                 f"model.moe.num_experts={experts} is not divisible by mesh.expert={expert_devices}"
             )
@@ -117,17 +118,15 @@ class TrainingSession:
         return step
 
     def forward_mode(self, step: int) -> ForwardMode:
-        """What the forward pass of optimizer step `step` (1-based) computes besides the LM loss."""
-        phase, every = self.msa_phase, self.run.logging.msa_recall_every
-        return ForwardMode(
-            msa_dense=phase == "dense_warmup",
-            indexer_loss=phase is not None,
-            block_recall=phase is not None and every > 0 and step % every == 0,
-        )
+        """What the forward pass of optimizer step `step` (1-based) computes besides the LM loss
+        (pretrain/msa_schedule.py)."""
+        every = self.run.logging.msa_recall_every
+        recall = every > 0 and step % every == 0
+        return forward_mode(self.run.model, self.tokens_seen, block_recall=recall)
 
     @property
     def msa_phase(self) -> str | None:
-        return msa_phase(self.run, self.tokens_seen)
+        return msa_phase(self.run.model, self.tokens_seen)
 
     def step(self, batch: dict[str, np.ndarray], mode: ForwardMode) -> dict:
         """One optimizer step on a host batch; returns its metrics as (unfetched) device arrays,
@@ -208,13 +207,6 @@ def state_shardings(model: Functional, optimizer, abstract_state: dict, mesh) ->
     }
 
 
-def msa_phase(run: RunConfig, tokens_seen: int) -> str | None:
-    """ "dense_warmup" until msa.warmup_tokens, then "sparse"; None for models without MSA."""
-    if "minimax_m3_sparse" not in run.model.layer_types:
-        return None
-    return "dense_warmup" if tokens_seen < run.model.msa.warmup_tokens else "sparse"
-
-
 def progress(run: RunConfig, tokens_seen: int) -> dict:
     """The `progress` item of a checkpoint: what the schedule needs besides the step."""
-    return {"tokens_seen": tokens_seen, "msa_phase": msa_phase(run, tokens_seen)}
+    return {"tokens_seen": tokens_seen, "msa_phase": msa_phase(run.model, tokens_seen)}

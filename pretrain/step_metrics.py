@@ -6,20 +6,21 @@ are taken over the whole batch's totals, or divided by the number of parts."""
 import jax
 import jax.numpy as jnp
 
+from batch_format.modality import MODALITIES
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStats
 from m3jax.mtp import MTPOutput
-from pretrain.loss import MODALITIES, load_balance_loss, masked_mean, modality_weights
+from pretrain.loss import load_balance_loss, masked_mean, modality_weights
 
 
 def layer_labels(config: ModelConfig) -> dict[str, list[str]]:
     """Metric suffixes of the MoE and MSA layers, in the order of the stats: "layer3", "mtp0"."""
     mtp = [f"mtp{d}" for d in range(config.mtp.num_modules)]
-    moe = [f"layer{i}" for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"]
-    msa = [f"layer{i}" for i, kind in enumerate(config.layer_types) if kind == "minimax_m3_sparse"]
+    moe = [f"layer{i}" for i in config.moe_layers]
+    msa = [f"layer{i}" for i in config.msa_layers]
     return {
-        "moe": moe + (mtp if config.mlp_layer_types[-1] == "sparse" else []),
-        "msa": msa + (mtp if config.layer_types[-1] == "minimax_m3_sparse" else []),
+        "moe": moe + (mtp if config.mlp_layer_types[-1] == "moe" else []),
+        "msa": msa + (mtp if config.layer_types[-1] == "msa" else []),
     }
 
 

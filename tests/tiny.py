@@ -13,8 +13,8 @@ TINY = {
         "head_dim": 8,
         "rotary_dim": 4,
         "dense_mlp_dim": 64,
-        "layer_types": ["full_attention", "minimax_m3_sparse"],
-        "mlp_layer_types": ["dense", "sparse"],
+        "layer_types": ["full", "msa"],
+        "mlp_layer_types": ["dense", "moe"],
         "msa": {"index_heads": 2, "index_head_dim": 8, "block_size": 4, "topk_blocks": 2},
         "moe": {
             "num_experts": 4,

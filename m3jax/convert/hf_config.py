@@ -25,6 +25,9 @@ from m3jax.config import ModelConfig, MoEConfig, MSAConfig, MTPConfig, VisionCon
 from m3jax.config_loading import ConfigError
 
 ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"
+# our layer kinds (m3jax/config.py) -> transformers' names for them
+HF_ATTENTION_TYPES = {"full": "full_attention", "msa": "minimax_m3_sparse"}
+HF_MLP_TYPES = {"dense": "dense", "moe": "sparse"}
 # ModelConfig fields config.json does not carry (how we train, not what the model computes).
 TRAINING_FIELDS = (
     "dtype", "remat", "moe.bias_update_rate", "moe.balance_loss_weight", "mtp.loss_weight"
@@ -140,13 +143,13 @@ def to_hf_config(config: ModelConfig, *, dtype: str = "float32") -> dict:
     for hf_name, (field, _) in TEXT_FIELDS.items():
         text[hf_name] = _get(config, field)
     partial = config.rotary_dim / config.head_dim
-    sparse = [int(kind == "minimax_m3_sparse") for kind in config.layer_types]
+    sparse = [int(kind == "msa") for kind in config.layer_types]
     text.update(
         hidden_act="swigluoai",
         attention_dropout=0.0,
         tie_word_embeddings=False,
-        layer_types=list(config.layer_types),
-        mlp_layer_types=list(config.mlp_layer_types),
+        layer_types=[HF_ATTENTION_TYPES[kind] for kind in config.layer_types],
+        mlp_layer_types=[HF_MLP_TYPES[kind] for kind in config.mlp_layer_types],
         rope_theta=config.rope_theta,
         partial_rotary_factor=partial,  # the only key transformers reads for partial RoPE
         rotary_dim=config.rotary_dim,
@@ -159,7 +162,7 @@ def to_hf_config(config: ModelConfig, *, dtype: str = "float32") -> dict:
             **{key: text[field] for key, field in SPARSE_KEYS.items()},
             "sparse_attention_freq": sparse,
         },
-        moe_layer_freq=[int(kind == "sparse") for kind in config.mlp_layer_types],
+        moe_layer_freq=[int(kind == "moe") for kind in config.mlp_layer_types],
     )
     out = {
         "architectures": [ARCHITECTURE],
@@ -220,13 +223,16 @@ def _text_fields(text: dict, where: str, prefix: str) -> dict:
         {field: text.pop(key, default) for key, (field, default) in TEXT_FIELDS.items()}
     )
     layers = fields["num_layers"]
-    fields["layer_types"] = tuple(
+    fields["layer_types"] = _our_kinds(
         _layer_list(text, "layer_types", sparse.get("sparse_attention_freq"),
-                    ("full_attention", "minimax_m3_sparse"), layers, where, prefix)
+                    tuple(HF_ATTENTION_TYPES.values()), layers, where, prefix),
+        HF_ATTENTION_TYPES, where, prefix + "layer_types",
     )  # fmt: skip
-    fields["mlp_layer_types"] = tuple(
-        _layer_list(text, "mlp_layer_types", moe_freq, ("dense", "sparse"), layers, where, prefix)
-    )
+    fields["mlp_layer_types"] = _our_kinds(
+        _layer_list(text, "mlp_layer_types", moe_freq, tuple(HF_MLP_TYPES.values()), layers,
+                    where, prefix),
+        HF_MLP_TYPES, where, prefix + "mlp_layer_types",
+    )  # fmt: skip
     fields["rope_theta"], partial = _text_rope(text, where, prefix)
     rotary_dim = int(fields["head_dim"] * partial)
     written = text.pop("rotary_dim", None)
@@ -291,6 +297,15 @@ def _vision_fields(vision: dict, where: str) -> dict:
     vision.pop("initializer_range", None)  # one init_std for the whole model (text_config's)
     _check_rest(vision, where, prefix)
     return fields
+
+
+def _our_kinds(values: list, names: dict[str, str], where: str, key: str) -> tuple[str, ...]:
+    """transformers' layer kinds -> ours (`names`: ours -> theirs)."""
+    ours = {theirs: our for our, theirs in names.items()}
+    unknown = sorted({str(v) for v in values} - set(ours))
+    if unknown:
+        raise ConfigError(f"{where}: {key}: unknown kinds {unknown} (known: {sorted(ours)})")
+    return tuple(ours[v] for v in values)
 
 
 def _layer_list(text, name, freq, kinds, layers, where, prefix) -> list[str]:

@@ -184,12 +184,12 @@ def _mtp_specs(config: ModelConfig, shapes: dict) -> list[TensorSpec]:
 def _layer_specs(prefix, module, index, mlp_type, config, shapes) -> list[TensorSpec]:
     """One decoder layer whose leaves sit under (collection, *module) at `index`."""
     specs = []
-    rules = {**ATTENTION, **(MOE if mlp_type == "sparse" else DENSE_MLP)}
+    rules = {**ATTENTION, **(MOE if mlp_type == "moe" else DENSE_MLP)}
     for rel, (name, split) in rules.items():
         leaf = _layer_leaf(module, rel, shapes)
         if leaf is not None:
             specs.append(_spec(prefix + name, leaf, index, split, shapes))
-    if mlp_type == "sparse":
+    if mlp_type == "moe":
         for rel, (name, split) in EXPERTS.items():
             leaf = ("params", *module, *rel)
             for expert in range(config.moe.num_experts):

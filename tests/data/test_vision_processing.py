@@ -19,7 +19,6 @@ from data.vision_processing import (
     process_video,
     sample_frame_indices,
     smart_resize,
-    vit_positions,
 )
 
 M3 = ProcessorConfig()
@@ -133,19 +132,6 @@ def test_patchify_matches_spec_order():
     patches, grid = patchify(frames, M3)
     assert grid == (2, 4, 6) and patches.shape == (48, 1176)
     np.testing.assert_array_equal(patches, _reference_patches(frames))
-
-
-def test_vit_positions_are_block_major_and_restart_per_item():
-    positions = vit_positions((2, 4, 6))
-    expected = [
-        (tt, br * 2 + ir, bc * 2 + ic)
-        for tt in range(2)
-        for br in range(2)
-        for bc in range(3)
-        for ir in range(2)
-        for ic in range(2)
-    ]
-    assert positions.tolist() == [list(p) for p in expected]
 
 
 def test_process_image_repeats_the_frame_and_counts_tokens():

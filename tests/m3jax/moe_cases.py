@@ -27,8 +27,8 @@ def moe_config(num_experts: int = 8, experts_per_token: int = 2, **moe) -> Model
         head_dim=4,
         rotary_dim=4,
         dense_mlp_dim=8,
-        layer_types=("full_attention",),
-        mlp_layer_types=("sparse",),
+        layer_types=("full",),
+        mlp_layer_types=("moe",),
         moe=MoEConfig(
             num_experts=num_experts,
             experts_per_token=experts_per_token,

@@ -59,7 +59,7 @@ def test_config_wrong_type_is_named(tmp_path):
         ),
         ({"msa": {"index_heads": 2}}, "msa.index_heads=2 must equal num_kv_heads=4"),
         ({"num_layers": 59}, "layer_types lists 60 layers but num_layers=59"),
-        ({"layer_types": ["full_attention*59", "sliding*1"]}, r"layer_types\[59\]='sliding'"),
+        ({"layer_types": ["full*59", "sliding*1"]}, r"layer_types\[59\]='sliding'"),
         ({"rotary_dim": 63}, "rotary_dim=63 must be even"),
         (
             {"msa": {"topk_blocks": 1, "local_blocks": 2}},
@@ -70,7 +70,7 @@ def test_config_wrong_type_is_named(tmp_path):
         ({"num_kv_heads": 0}, "num_kv_heads=0 must be >= 1"),
         ({"vision": {"num_heads": 0}}, "vision.num_heads=0 must be >= 1"),
         ({"moe": {"expert_dim": -2}}, "moe.expert_dim=-2 must be >= 1"),
-        ({"layer_types": ["full_attention*x"]}, r"bad repeat count in 'full_attention\*x'"),
+        ({"layer_types": ["full*x"]}, r"bad repeat count in 'full\*x'"),
         ({"moe": {"dispatch": "sparse"}}, "moe.dispatch='sparse' is not one of"),
         ({"moe": {"capacity_factor": 0}}, "moe.capacity_factor=0.0 must be > 0"),
         ({"moe": {"capacity_factor": -1.5}}, "moe.capacity_factor=-1.5 must be > 0"),
@@ -111,15 +111,15 @@ def test_config_overrides_set_nested_values_and_parse_scalars():
         [
             "optimizer.lr=3e-4",
             "model.num_layers=2",
-            "model.layer_types=[full_attention, minimax_m3_sparse]",
-            "model.mlp_layer_types=[dense, sparse]",
+            "model.layer_types=[full, msa]",
+            "model.mlp_layer_types=[dense, moe]",
             "model.msa.topk_blocks=2",
             "logging.tensorboard=false",
         ],
     )
     assert run.optimizer.lr == 3e-4 and isinstance(run.optimizer.lr, float)
     assert run.model.num_layers == 2 and run.model.msa.topk_blocks == 2
-    assert run.model.layer_types == ("full_attention", "minimax_m3_sparse")
+    assert run.model.layer_types == ("full", "msa")
     assert run.logging.tensorboard is False
 
 
@@ -133,11 +133,23 @@ def test_layer_pattern_expands_repeats_in_order():
     assert expand_layer_pattern(("a*2", "b", "c*3"), "f") == ("a", "a", "b", "c", "c", "c")
     config = ModelConfig(
         num_layers=3,
-        layer_types=("full_attention", "minimax_m3_sparse*2"),
+        layer_types=("full", "msa*2"),
         mlp_layer_types=("dense*3",),
     )
-    assert config.layer_types == ("full_attention", "minimax_m3_sparse", "minimax_m3_sparse")
+    assert config.layer_types == ("full", "msa", "msa")
     assert dataclasses.replace(config) == config  # expansion is idempotent
+    assert config.msa_layers == (1, 2) and config.moe_layers == ()
+
+
+def test_layer_kinds_under_transformers_names_load_with_a_rename_message():
+    """Configs (and saved run configs) from before `full | msa`, `dense | moe` keep loading."""
+    with pytest.warns(UserWarning, match="layer_types: 'minimax_m3_sparse' is now 'msa'"):
+        config = ModelConfig(
+            num_layers=2,
+            layer_types=("full_attention", "minimax_m3_sparse"),
+            mlp_layer_types=("dense", "sparse"),
+        )
+    assert config.layer_types == ("full", "msa") and config.mlp_layer_types == ("dense", "moe")
 
 
 def test_m3_defaults_match_the_released_shape():
@@ -148,7 +160,5 @@ def test_m3_defaults_match_the_released_shape():
         ModelConfig(), dtype="bfloat16", remat="full", vision=run.model.vision, moe=moe
     )
     assert run.model.msa == MSAConfig() and run.model.moe == moe
-    assert run.model.layer_types[:3] == ("full_attention",) * 3
-    assert (
-        set(run.model.layer_types[3:]) == {"minimax_m3_sparse"} and len(run.model.layer_types) == 60
-    )
+    assert run.model.layer_types[:3] == ("full",) * 3
+    assert set(run.model.layer_types[3:]) == {"msa"} and len(run.model.layer_types) == 60

@@ -182,9 +182,7 @@ def test_shard_plan_and_sizes():
 
 
 def test_hf_config_round_trips_text_and_vision_models():
-    all_moe = ModelConfig(
-        num_layers=4, layer_types=("full_attention*4",), mlp_layer_types=("sparse*4",)
-    )
+    all_moe = ModelConfig(num_layers=4, layer_types=("full*4",), mlp_layer_types=("moe*4",))
     for config in (CONFIG, tiny_run().model, all_moe):
         written = to_hf_config(config)
         assert (
@@ -201,8 +199,8 @@ def test_hf_config_reads_upstream_keys_with_transformers_precedence():
         text.pop(key)
     text["sparse_attention_config"]["sparse_block_size"] = 8  # overrides the flat field
     config = from_hf_config({"model_type": "minimax_m3_vl", "text_config": text})
-    assert config.layer_types == ("full_attention", "minimax_m3_sparse")
-    assert config.mlp_layer_types == ("dense", "sparse")
+    assert config.layer_types == ("full", "msa")  # transformers' names mapped to ours
+    assert config.mlp_layer_types == ("dense", "moe")
     assert config.msa.block_size == 8 and config.rotary_dim == 4 and config.vision is None
 
 
@@ -211,9 +209,7 @@ def test_hf_config_defaults_follow_transformers():
     config = from_hf_config(
         {"model_type": "minimax_m3_vl", "text_config": {"num_hidden_layers": 2}}
     )
-    assert (
-        config.layer_types == ("full_attention",) * 2 and config.mlp_layer_types == ("sparse",) * 2
-    )
+    assert config.layer_types == ("full",) * 2 and config.mlp_layer_types == ("moe",) * 2
     assert config.rotary_dim == 128 and config.rope_theta == 5e6 and config.hidden_size == 6144
 
 

@@ -18,8 +18,8 @@ MILLION = 2**20
 
 
 def test_attention_flops_match_the_spec_figures_for_m3_at_1m_tokens():
-    dense = cost_model.layer_attention_flops(M3, "full_attention", MILLION)
-    sparse = cost_model.layer_attention_flops(M3, "minimax_m3_sparse", MILLION)
+    dense = cost_model.layer_attention_flops(M3, "full", MILLION)
+    sparse = cost_model.layer_attention_flops(M3, "msa", MILLION)
     np.testing.assert_allclose(dense, 1.72e10, rtol=3e-3)
     np.testing.assert_allclose(sparse, 6.0e8, rtol=1e-2)
     np.testing.assert_allclose(dense / sparse, 28.4, rtol=1e-2)
@@ -31,8 +31,8 @@ def test_msa_costs_dense_attention_plus_the_indexer_while_every_block_is_kept():
     short = M3.msa.topk_blocks * M3.msa.block_size  # 2048: MSA keeps every block
     indexer = 2 * M3.msa.index_heads * M3.msa.index_head_dim * (short + 1) / 2
     np.testing.assert_allclose(
-        cost_model.layer_attention_flops(M3, "minimax_m3_sparse", short),
-        cost_model.layer_attention_flops(M3, "full_attention", short) + indexer,
+        cost_model.layer_attention_flops(M3, "msa", short),
+        cost_model.layer_attention_flops(M3, "full", short) + indexer,
     )
 
 
@@ -117,12 +117,12 @@ def test_msa_attention_equals_dense_up_to_topk_blocks_keys_and_costs_less_beyond
             [cost_model.document_attention_flops(M3, kind, [n], **mode) for n in lengths]
         )
 
-    dense = per_document("full_attention")
-    main_branch = per_document("minimax_m3_sparse") - indexer
+    dense = per_document("full")
+    main_branch = per_document("msa") - indexer
     short = lengths <= kept
     np.testing.assert_allclose(main_branch[short], dense[short])
     assert np.all(main_branch[~short] < dense[~short])
-    np.testing.assert_allclose(per_document("minimax_m3_sparse", msa_dense=True), dense + indexer)
-    saving = dense / per_document("minimax_m3_sparse")  # the indexer included
+    np.testing.assert_allclose(per_document("msa", msa_dense=True), dense + indexer)
+    saving = dense / per_document("msa")  # the indexer included
     long = lengths >= 2 * kept
     assert np.all(saving[long] > 1) and np.all(np.diff(saving[long]) > 0)

@@ -275,8 +275,8 @@ def test_moe_matches_per_token_loop():
         head_dim=4,
         rotary_dim=4,
         dense_mlp_dim=8,
-        layer_types=("full_attention",),
-        mlp_layer_types=("sparse",),
+        layer_types=("full",),
+        mlp_layer_types=("moe",),
         moe=MoEConfig(num_experts=5, experts_per_token=2, expert_dim=6, shared_expert_dim=7),
     )
     moe = _random_module(lambda: MoE(config, rngs=nnx.Rngs(0)), seed=7, std=1.0)

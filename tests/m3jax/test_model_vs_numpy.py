@@ -26,12 +26,12 @@ from m3jax.convert import hf_config
 from m3jax.convert.layout import tensor_specs, to_upstream
 from m3jax.model import functional
 
-SPARSE, FULL = "minimax_m3_sparse", "full_attention"
-# Sparse+MoE, full+dense, then two sparse+MoE layers: three stacks, one of them two layers deep,
+MSA, FULL = "msa", "full"
+# MSA+MoE, full+dense, then two MSA+MoE layers: three stacks, one of them two layers deep,
 # and two stacks of the same kind (the converter must keep global layer order).
-LAYERS_A = ((SPARSE, FULL, SPARSE, SPARSE), ("sparse", "dense", "sparse", "sparse"))
+LAYERS_A = ((MSA, FULL, MSA, MSA), ("moe", "dense", "moe", "moe"))
 # All four (attention, mlp) combinations.
-LAYERS_B = ((FULL, SPARSE, SPARSE, FULL), ("dense", "dense", "sparse", "sparse"))
+LAYERS_B = ((FULL, MSA, MSA, FULL), ("dense", "dense", "moe", "moe"))
 ATOL = 3e-5  # float32 model vs float64 reference (observed ≤ 6e-6), logits of magnitude O(1)
 MARGIN = 1e-4  # smallest top-k gap (block scores, router scores) float32 (error ~1e-6) cannot flip
 
@@ -171,14 +171,14 @@ def test_to_hf_weights_gives_upstream_names_and_shapes():
             q + "self_attn.q_norm.weight": (dh,),
             q + "self_attn.k_norm.weight": (dh,),
         }
-        if attention_type == SPARSE:
+        if attention_type == MSA:
             expected |= {
                 q + "self_attn.index_q_proj.weight": (hi * di, d),
                 q + "self_attn.index_k_proj.weight": (di, d),
                 q + "self_attn.index_q_norm.weight": (di,),
                 q + "self_attn.index_k_norm.weight": (di,),
             }
-        if mlp_type == "sparse":
+        if mlp_type == "moe":
             m = q + "block_sparse_moe."
             expected |= {m + "gate.weight": (e, d), m + "e_score_correction_bias": (e,)}
             for x in range(e):

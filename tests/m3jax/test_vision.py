@@ -11,9 +11,10 @@ import pytest
 from tiny import tiny_vision_run
 
 import m3jax
+from batch_format.vision import grid_positions
 from m3jax.convert.layout import leaf_shapes, nested
 from m3jax.model import functional
-from m3jax.vision_inputs import from_packed_rows, grid_positions, pack_vision_inputs
+from m3jax.vision_inputs import from_packed_rows, pack_vision_inputs
 
 IMAGE, VIDEO = 270, 271
 CONFIG = tiny_vision_run().model
@@ -23,17 +24,6 @@ VISION = CONFIG.vision
 def pixels(grid, seed=0):
     rows = int(np.prod(np.asarray(grid), axis=-1).sum())
     return np.random.default_rng(seed).normal(size=(rows, 1176)).astype(np.float32)
-
-
-def test_grid_positions_are_block_major_and_restart_per_grid_row():
-    positions = grid_positions(np.array([[2, 2, 4], [1, 2, 2]]), merge_size=2)
-    # One 2x2 window after the other (row-major inside a window), frame by frame.
-    first_frame = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (0, 0, 2), (0, 0, 3), (0, 1, 2),
-                   (0, 1, 3)]  # fmt: skip
-    assert [tuple(p) for p in positions[:8]] == first_frame
-    assert [tuple(p) for p in positions[8:16]] == [(1, h, w) for _, h, w in first_frame]
-    assert [tuple(p) for p in positions[16:]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
-    assert positions.dtype == np.int32
 
 
 def test_pack_vision_inputs_orders_images_then_videos_batch_major():

@@ -213,7 +213,7 @@ def test_kernel_differentiates_inside_expert_parallel_shard_map(mesh_sizes, exch
     )  # fmt: skip
     config = ModelConfig(
         vocab_size=16, hidden_size=128, num_layers=1, dtype="bfloat16", moe=moe,
-        layer_types=("full_attention",), mlp_layer_types=("sparse",),
+        layer_types=("full",), mlp_layer_types=("moe",),
     )  # fmt: skip
     mesh = sharding.make_mesh(mesh_sizes, devices=jax.devices()[:2])  # data: tokens straight in
     graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, rngs=nnx.Rngs(0), mesh=mesh)))

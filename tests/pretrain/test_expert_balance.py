@@ -28,7 +28,7 @@ def small_gpu_like_run():
         "bias_update_rate": moe.get("bias_update_rate", MoEConfig.bias_update_rate),
     }
     return tiny_run(
-        model={"layer_types": ["full_attention"] * 2, "moe": moe},
+        model={"layer_types": ["full"] * 2, "moe": moe},
         data={"seq_len": SEQ, "batch_size": ROWS},
         optimizer={"lr": 1e-3, "warmup_steps": 10},
     )

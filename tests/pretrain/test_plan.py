@@ -63,8 +63,8 @@ def test_plan_bytes_per_device_shrink_as_fsdp_grows():
 @pytest.mark.slow
 def test_m3_plan_command_plans_8_fake_devices_growing_by_layers(tmp_path):
     config = tmp_path / "tiny.yaml"
-    layers = {"num_layers": 5, "layer_types": ["full_attention", "minimax_m3_sparse*4"],
-              "mlp_layer_types": ["dense", "sparse*4"]}  # fmt: skip
+    layers = {"num_layers": 5, "layer_types": ["full", "msa*4"],
+              "mlp_layer_types": ["dense", "moe*4"]}  # fmt: skip
     config.write_text(yaml.safe_dump({**TINY, "model": {**TINY["model"], **layers}}))
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
     result = subprocess.run(

@@ -58,7 +58,7 @@ def test_train_step_moves_router_bias_against_load():
 
 
 def test_a_model_without_moe_trains_with_no_router_buffers():
-    _, _, step, state = setup(model={"layer_types": ["full_attention"] * 2,
+    _, _, step, state = setup(model={"layer_types": ["full"] * 2,
                                      "mlp_layer_types": ["dense"] * 2})  # fmt: skip
     new_state, metrics = step(state, make_batch())
     assert np.isfinite(metrics["loss"])

@@ -1,0 +1,7 @@
+"""What a batch's vision and modality arrays mean, in one place for the code that builds batches
+(`data/`) and the code that reads them (`m3jax/`, `pretrain/`). NumPy only: no jax, no model.
+
+- `modality.py`: the per-token modality codes (text, image, video).
+- `vision.py`: the patch geometry (pixel features per patch row) and the ViT's (t, h, w) position
+  of every patch row, in the M3 processor's block-major order (spec/m3_architecture.md §4.3).
+"""
