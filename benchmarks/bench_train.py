@@ -34,14 +34,16 @@ TRAIN = ForwardMode(indexer_loss=True)
 
 
 def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, mean_document: int = 1500):
-    """Packed rows: documents of exponential lengths (mean `mean_document`), positions from 0."""
+    """Packed rows: documents of exponential lengths (mean `mean_document`), positions from 0;
+    one document a row when `mean_document` >= `seq`."""
     rng = np.random.default_rng(seed)
     segments = np.zeros((batch, seq), np.int32)
     positions = np.zeros((batch, seq), np.int32)
     for row in range(batch):
         start, document = 0, 1
         while start < seq:
-            length = max(1, min(seq - start, int(rng.exponential(mean_document))))
+            length = seq if mean_document >= seq else int(rng.exponential(mean_document))
+            length = max(1, min(seq - start, length))
             segments[row, start : start + length] = document
             positions[row, start : start + length] = np.arange(length)
             start, document = start + length, document + 1
@@ -56,7 +58,11 @@ def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, mean_docume
 
 
 def time_variant(
-    config_path: str, overrides: list[str], steps: int, trace_dir: str | None = None
+    config_path: str,
+    overrides: list[str],
+    steps: int,
+    trace_dir: str | None = None,
+    document_tokens: int = 1500,
 ) -> dict:
     run = load_run_config(config_path, overrides)
     model = functional(run.model)
@@ -67,7 +73,8 @@ def time_variant(
         donate_argnums=0,
     )
     state = init_state(model, optimizer, seed=0)
-    batch = synthetic_batch(run.data.batch_size, run.data.seq_len, run.model.vocab_size)
+    batch = synthetic_batch(run.data.batch_size, run.data.seq_len, run.model.vocab_size,
+                            mean_document=document_tokens)  # fmt: skip
     times, losses = [], []
     for i in range(steps + 2):
         start = time.perf_counter()
@@ -115,6 +122,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", metavar="DIR",
                         help="also trace two steps of the first variant and print its kernels")  # fmt: skip
+    parser.add_argument("--document-tokens", type=int, default=1500,
+                        help="mean document length of the synthetic rows (>= seq_len: one "
+                             "document a row, as a long-context run has)")
+    parser.add_argument("--stop-at-error", action="store_true",
+                        help="skip the variants after the first that fails (e.g. longer "
+                             "sequences after the first that does not fit)")
     args = parser.parse_args()
     matmul = matmul_tflops(8192 if jax.default_backend() == "gpu" else 512)
     print(json.dumps({"bf16 matmul TFLOP/s (measured)": matmul}), flush=True)
@@ -123,7 +136,7 @@ def main() -> None:
         try:
             row = {"variant": variant or "as configured",
                    **time_variant(args.config, variant.split(), args.steps,
-                                  args.profile if not rows else None)}  # fmt: skip
+                                  args.profile if not rows else None, args.document_tokens)}  # fmt: skip
         except Exception as e:  # e.g. out of memory: record it, keep going
             row = {"variant": variant or "as configured", "error": str(e).splitlines()[0][:300]}
         if "model_tflops_per_s" in row:
@@ -133,6 +146,8 @@ def main() -> None:
             row["vs_first"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if "error" in row and args.stop_at_error:
+            break
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.config}")
     print(
         "| variant | step ms | tokens/s | MFU (989) | of matmul rate | peak GB | vs first | loss |"

@@ -124,6 +124,9 @@ class PackedTextLoader:
         """Nothing is ever skipped here (the multimodal loader counts its skips)."""
         return {}
 
+    def close(self) -> None:
+        """Nothing to stop (no worker processes): here so that callers close either loader."""
+
     def state(self) -> dict:
         """Returns a JSON-serialisable dict from which `restore` resumes at the next batch."""
         return {

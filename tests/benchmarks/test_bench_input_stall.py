@@ -5,7 +5,7 @@ import json
 
 import pytest
 import yaml
-from tiny import _merged, tiny_vision_run
+from tiny import _merged, tiny_run, tiny_vision_run
 
 from benchmarks import bench_input_stall
 from m3jax.config_loading import to_mapping
@@ -76,6 +76,18 @@ def timeline(fetch_s: float, blocking: bool, steps: int = 8) -> tuple[list[dict]
         host, device_free = enqueued, finished
     return rows, done
 
+
+
+@pytest.mark.slow  # ≈12 s on 2 cores
+def test_bench_input_stall_runs_on_a_text_corpus(tmp_path, capsys):
+    """The text loader goes through the same loop and is closed like the multimodal one."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(to_mapping(tiny_run())))
+    argv = ["--config", str(config), "--steps", "2", "--compute-steps", "1", "--startup-steps",
+            "1", "--pipeline-batches", "2"]  # fmt: skip
+    assert bench_input_stall.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["complete"] and report["patch_budget"] == 0 and report["loop"]["steps"] == 2
 
 @pytest.mark.parametrize(
     "fetch_s, blocking, stall",
