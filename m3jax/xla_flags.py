@@ -8,6 +8,13 @@ starts); importing m3jax sets nothing.
   reported upstream as openxla/xla#33386); the decomposer rewrites it into a dense all-to-all and
   slices (0.61–0.65 with the same benchmark, benchmarks/RESULTS.md). Other backends ignore it.
 
+Environment beside XLA_FLAGS, same rule (a value the user set is kept):
+- `XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`: jax's GPU client preallocates 75 % of device memory by
+  default, and XLA's rematerialisation plans within that. On an H200 that is 106 of 141 GB: the
+  small-gpu step at 128K tokens (123.4 GiB planned) failed to allocate under the default
+  (benchmarks/RESULTS.md). 0.95 leaves ≈ 7 GB outside the pool for the CUDA context, cuDNN's
+  handles and NCCL's buffers.
+
 A flag the user already set in XLA_FLAGS (either value) is left as it is. XLA reads the variable
 once, when the first backend starts: `apply()` after running a computation has no effect.
 """
@@ -15,6 +22,7 @@ once, when the first backend starts: `apply()` after running a computation has n
 import os
 
 FLAGS = {"--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": "true"}
+ENVIRONMENT = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 
 
 def with_defaults(xla_flags: str) -> str:
@@ -25,3 +33,5 @@ def with_defaults(xla_flags: str) -> str:
 
 def apply() -> None:
     os.environ["XLA_FLAGS"] = with_defaults(os.environ.get("XLA_FLAGS", ""))
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
