@@ -57,6 +57,7 @@ def dense_attention(
 
     def attend_tile(args):
         slots, q_tile, segment_tile, student_q = args
+        q_tile, slots, segment_tile = tie_to_queries(q_tile, slots, segment_tile)
         visible = visible_keys(slots, segment_tile, segment_ids, causal=causal)  # [B, Tq, T]
         logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
@@ -88,6 +89,17 @@ def distillation_kl(teacher: jax.Array, student_logits: jax.Array, visible: jax.
     log_student = jax.nn.log_softmax(jnp.where(visible, student_logits, NEG_INF), axis=-1)
     terms = jax.scipy.special.xlogy(teacher, teacher) - teacher * log_student
     return jnp.where(visible, terms, 0.0).sum(axis=-1)
+
+
+def tie_to_queries(q_tile: jax.Array, *tile_inputs: jax.Array) -> tuple[jax.Array, ...]:
+    """(q_tile, *tile_inputs), unchanged, through one optimization barrier.
+
+    A tile's key masks depend on its slots, segment ids and positions alone. Inside a layer scan
+    that is differentiated, JAX's partial evaluation takes such values for loop-invariant
+    residuals and hoists them out of the scan, which stacks them for every tile at once: [S, T]
+    bools, memory quadratic in S (small-gpu's XLA-path step at 128K: 121.7 GB of temporaries with
+    them, 40.6 GB without). Tied to the tile's queries, they are computed per tile."""
+    return jax.lax.optimization_barrier((q_tile, *tile_inputs))
 
 
 def visible_keys(

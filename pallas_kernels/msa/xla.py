@@ -9,7 +9,8 @@ Queries go in tiles of `query_tile` under `lax.map`:
   head selected ([Tq, K, k·block, Dh]; the G query heads of a group share the gather), attends over
   them, and optionally computes the indexer's KL to the attention distribution over the same keys;
 - `block_recall`: a diagnostic comparing the selection with the dense teacher's top blocks.
-Tile bodies are rematerialised in the backward pass (`jax.checkpoint`).
+Tile bodies are rematerialised in the backward pass (`jax.checkpoint`); each tile's key masks are
+tied to its queries (`tie_to_queries`), so that none is hoisted out of a layer scan for all tiles.
 
 Blocks are counted from each document's first token (reference.py). A document starting at slot
 d = a·block + r splits every fixed row block c into keys before slot c·block + r (its document
@@ -33,6 +34,7 @@ from pallas_kernels.attention.xla import (
     grouped_query_tiles,
     query_tiles,
     slot_tiles,
+    tie_to_queries,
     untile,
     visible_keys,
 )
@@ -89,6 +91,9 @@ def top_blocks(
 
     def select_tile(args):
         slots, q_tile, segment_tile, position_tile = args
+        q_tile, slots, segment_tile, position_tile = tie_to_queries(
+            q_tile, slots, segment_tile, position_tile
+        )
         scores = jnp.einsum("bqhd,btd->bqht", q_tile, index_k, preferred_element_type=jnp.float32)
         visible = visible_keys(slots, segment_tile, segment_ids)
         scores = jnp.where(visible[:, :, None], scores, -jnp.inf)
@@ -213,6 +218,9 @@ def block_recall(
 
     def recall_tile(args):
         slots, q_tile, segment_tile, position_tile, indices = args
+        q_tile, slots, segment_tile, position_tile = tie_to_queries(
+            q_tile, slots, segment_tile, position_tile
+        )
         visible = visible_keys(slots, segment_tile, segment_ids)
         logits = jnp.einsum("bqkgd,btkd->bqkgt", q_tile, k, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, :, None, None], logits * head_dim**-0.5, NEG_INF)
