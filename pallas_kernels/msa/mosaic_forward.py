@@ -1,0 +1,333 @@
+"""MSA sparse attention forward on Hopper GPUs in one Pallas Mosaic GPU kernel (no student).
+
+Key-block-major like `forward_kernels.py`, but in one pass: per segment (one key block of one
+(row, kv head), `block_lists.py`) the block's K and V are TMA-copied into shared memory once; per
+chunk of R = chunk_queries·G rows the kernel computes S = Q·Kᵀ·Dh^-½ on wgmma, masks it, takes the
+row max m and sum l of P = exp(S - m) over the block alone, and computes O = P·V on wgmma. It
+stores each row's o / l and lse_e = m + log l; an XLA combine over each query's k selections
+(`combine`) turns those into the output and the per-(query, head) LSE. The Triton path's separate
+LSE pass (a second Q·Kᵀ) is not needed.
+
+XLA presorts the operands (`presort`) into the sorted entry order of `block_lists.build`, so that
+a chunk's rows are contiguous and one TMA copy loads them: Q rows [E·G, Dh] and per row the
+query's global slot and segment id. K and V keep their [B·S, K, Dh] layout, padded by one block of
+rows at both ends so that a block that starts before its row or runs past the end stays inside
+the array (its outside keys are masked by slot).
+
+Grid: persistent, one program per SM (or `programs_per_core` of them), walking segments as
+`chunks.for_each_segment` does: segments are many and small (≤ segment_chunks chunks), so a fixed
+grid avoids a launch-size that depends on the data and keeps the per-program set-up (barriers,
+shared-memory carve-out) out of the per-segment cost. Within a segment, the chunks' Q copies go
+through a ring of `stages` shared-memory buffers, so the next chunks' TMA overlaps this chunk's
+math; output stores are asynchronous TMA and are waited on only before the staging buffer is
+reused.
+
+Outputs are o / l in q's dtype (normalised per block, so within V's range: bf16 keeps the
+kernel's store and the combine's read at half the bytes of fp32, and the Triton path's per-entry
+shares are q's dtype too) and lse_e in fp32 (the combine exponentiates differences of LSEs).
+
+A chunk at the end of a block's list holds fewer than chunk_queries valid entries; the entries
+after them belong to the next block's list, whose program writes them. The last chunk of a list is
+therefore stored query by query (one predicated TMA copy of G rows each), the others in one copy.
+
+Shapes: B batch, S sequence, H query heads, K kv heads, G = H // K, Dh head dim, k selections per
+query, W queries per window, E = B·W·K·k entries, R = chunk_queries·G rows of a chunk, block =
+block_size keys.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.msa import block_lists, chunks
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+BLOCK_SIZES = (128,)  # one wgmma N / K tile of keys per block
+HEAD_DIM_MULTIPLE = 64  # the swizzled tiles' minor size in 16-bit elements
+WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its registers
+NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
+# columns of the per-segment table
+FIRST, COUNT, KV_ROW, KEY_SLOT, ROW_START, HEAD = range(6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Launch parameters of the Mosaic kernel (defaults not yet tuned on the H200)."""
+
+    rows: int = 64  # R = chunk_queries · G rows per chunk
+    segment_chunks: int = 16  # chunks per segment: K/V loads amortised vs. load balance
+    stages: int = 2  # Q buffers in flight
+    programs_per_core: int = 1  # 2 fit the shared memory at Dh = 128 (about 112 KiB each)
+
+    def chunk_queries(self, group: int) -> int:
+        if self.rows % group:
+            raise ValueError(f"Tiling.rows={self.rows} is not a multiple of G={group}")
+        return self.rows // group
+
+
+def unsupported_reason(dtype, group: int, head_dim: int, block_size: int, tiling: Tiling) -> str:
+    """Why the Mosaic kernel can't take these operands ('' when it can)."""
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+        return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16"
+    if tiling.rows not in WARPGROUP_ROWS:
+        return f"mosaic rows={tiling.rows} is not one of {WARPGROUP_ROWS}"
+    if tiling.rows % group or (tiling.rows // group) & (tiling.rows // group - 1):
+        return f"mosaic rows={tiling.rows} are not a power-of-two number of queries of {group} heads"
+    if group < 4:
+        return f"G={group} query heads per kv head: a query's LSE row is under TMA's 16 bytes"
+    if head_dim % HEAD_DIM_MULTIPLE:
+        return f"head_dim={head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
+    if block_size not in BLOCK_SIZES:
+        return f"block_size={block_size} is not one of {BLOCK_SIZES}"
+    return ""
+
+
+def _swizzled(minor: int, dtype) -> tuple:
+    """Shared-memory transforms of TMA / wgmma tiles whose last dimension is `minor`."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor * bits)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def num_programs(tiling: Tiling) -> int:
+    """Persistent programs: `programs_per_core` per SM (3 under the CPU interpreter)."""
+    device = jax.devices()[0]
+    cores = device.core_count if device.platform == "gpu" else 3
+    return cores * tiling.programs_per_core
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA side: operands in sorted entry order, and the combine over selections
+
+
+def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_chunks: int):
+    """[E, 6] int32 per segment (rows past num_segments are junk, never read): sorted position of
+    its first entry, its number of entries, the padded K/V row of the block window's first key,
+    that key's global slot b·S + slot, b·S, and the kv head."""
+    seq, size = geo.seq, geo.block_size
+    key = lists.keys[lists.segment_starts]
+    pair, offset = key // (2 * seq), key % (2 * seq)
+    batch, head = pair // geo.num_kv_heads, pair % geo.num_kv_heads
+    # a block entirely before its row (document started earlier) still reads in-bounds rows
+    window = jnp.maximum(offset - seq, -size)
+    end = jnp.searchsorted(lists.keys, key, side="right").astype(jnp.int32)
+    count = jnp.minimum(end - lists.segment_starts, segment_chunks * geo.chunk_queries)
+    row_start = batch * seq
+    columns = (lists.segment_starts, count, size + row_start + window, row_start + window,
+               row_start, head)  # fmt: skip
+    return jnp.stack(columns, axis=1).astype(jnp.int32)
+
+
+def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids, offset):
+    """Q rows [E·G + R, Dh] and row data [2, E·G + R] int32 (query's global slot, its segment id)
+    in sorted entry order, G rows per entry, padded by one chunk so every chunk's copy is in
+    bounds.
+
+    q: [B, W, H, Dh] the window's queries; segment_ids: [B, S]; offset: slot of query 0.
+    """
+    per_query = geo.num_kv_heads * geo.topk
+    query = lists.entries // per_query  # b·W + i
+    head = (lists.entries // geo.topk) % geo.num_kv_heads
+    batch, index = query // geo.window, query % geo.window
+    grouped = q.reshape(geo.batch * geo.window, geo.num_kv_heads, geo.group, geo.head_dim)
+    rows = grouped[query, head].reshape(-1, geo.head_dim)
+    slot = jnp.minimum(offset + index, geo.seq - 1)  # padded queries of the last window: invalid
+    data = jnp.stack([batch * geo.seq + slot, segment_ids.astype(jnp.int32)[batch, slot]])
+    data = jnp.repeat(data, geo.group, axis=1)
+    pad = geo.rows
+    return jnp.pad(rows, [(0, pad), (0, 0)]), jnp.pad(data, [(0, 0), (0, pad)])
+
+
+def pad_keys(x: jax.Array, block_size: int) -> jax.Array:
+    """[B, S, K, D] or [B, S] -> rows [B·S + 2·block, ...]: one block of zero rows at each end."""
+    flat = x.reshape(-1, *x.shape[2:])
+    return jnp.pad(flat, [(block_size, block_size)] + [(0, 0)] * (flat.ndim - 1))
+
+
+def combine(geo: chunks.Geometry, lists, valid, o, lse):
+    """Per-entry (o / l [E·G, Dh], lse_e [E·G]) -> (out [B, W, H, Dh] fp32, lse [B, W, K, G]):
+    lse = logsumexp over the query's k selections, out = Σ_j exp(lse_j - lse)·o_j; a (query,
+    head) that sees no key has lse = -inf and out = 0."""
+    shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
+    ok = valid.reshape(*shape, 1)
+    lse_j = jnp.where(ok, block_lists.by_selection(lse.reshape(-1, geo.group), lists, shape),
+                      -jnp.inf)  # fmt: skip
+    total = jax.nn.logsumexp(lse_j, axis=3)
+    weights = jnp.exp(lse_j - jnp.where(jnp.isfinite(total), total, 0.0)[:, :, :, None])
+    o_j = block_lists.by_selection(o.reshape(-1, geo.group, geo.head_dim), lists, shape)
+    o_j = jnp.where(ok[..., None], o_j.astype(jnp.float32), 0.0)  # unused slots: never written
+    out = jnp.einsum("bwkjg,bwkjgd->bwkgd", weights, o_j)
+    return out.reshape(geo.batch, geo.window, geo.num_heads, geo.head_dim), total
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+
+
+def _softmax_block(geo: chunks.Geometry, scores, visible):
+    """Masked logits [R, block] fp32 -> (P in bf16/fp16-ready fp32, row max m, row sum l), with
+    base-2 exponentials (m in log2 units); rows that see nothing get m = 0, l = 0, P = 0."""
+    log2e = math.log2(math.e)
+    scaled = jnp.where(visible, scores * (geo.head_dim**-0.5 * log2e), -jnp.inf)
+    top = scaled.max(axis=1)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    probs = jnp.exp2(scaled - jax.lax.broadcast_in_dim(top, scaled.shape, [0]))
+    return probs, top, probs.sum(axis=1)
+
+
+def _visible(query_data, key_slots, key_segments, shape):
+    """[R, block] bool: key in the query's document, not after it, in the block's row."""
+    slot, segment = query_data
+    return (jax.lax.broadcast_in_dim(key_segments, shape, [1])
+            == jax.lax.broadcast_in_dim(segment, shape, [0])) & (
+        jax.lax.broadcast_in_dim(key_slots, shape, [1])
+        <= jax.lax.broadcast_in_dim(slot, shape, [0]))  # fmt: skip
+
+
+def forward(
+    geo: chunks.Geometry,
+    tiling: Tiling,
+    table: jax.Array,
+    num_segments: jax.Array,
+    q_rows: jax.Array,
+    row_data: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    key_segments: jax.Array,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Per sorted entry: (o / l [E·G, Dh] in q's dtype, lse_e [E·G] fp32, -inf for rows that see
+    no key of the block).
+
+    table: [E, 6] `segment_table`; num_segments: [1]; q_rows, row_data: `presort`; k, v:
+    [B·S + 2·block, K, Dh] and key_segments [B·S + 2·block] from `pad_keys`.
+    """
+    rows, size, dim, group = geo.rows, geo.block_size, geo.head_dim, geo.group
+    queries, stages, dtype = geo.chunk_queries, tiling.stages, q_rows.dtype
+    programs = num_programs(tiling)
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    # G >= 8 rows per query are whole 8-row tiles of the swizzled layout; fewer need a plain one
+    out_transforms = _swizzled(dim, dtype) if group % 8 == 0 else ()
+
+    def kernel(table_ref, count_ref, q_ref, data_ref, k_ref, v_ref, kseg_ref, o_ref, lse_ref,
+               k_smem, v_smem, kseg_smem, q_smem, data_smem, p_smem, o_smem, lse_smem, key_bars,
+               q_bars):  # fmt: skip
+        def segment_body(index, part):
+            del part  # whole blocks
+            first, entries, kv_row = (table_ref[index, c] for c in (FIRST, COUNT, KV_ROW))
+            key_slot, row_start, head = (table_ref[index, c] for c in (KEY_SLOT, ROW_START, HEAD))
+            num_chunks = (entries + queries - 1) // queries
+            keys = pl.ds(kv_row, size)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys, head], k_smem, key_bars.at[0])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys, head], v_smem, key_bars.at[1])
+            plgpu.copy_gmem_to_smem(kseg_ref.at[keys], kseg_smem, key_bars.at[2])
+
+            def fetch(chunk):
+                slot, start = chunk % stages, (first + chunk * queries) * group
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, rows)], q_smem.at[slot],
+                                        q_bars.at[slot, 0])  # fmt: skip
+                plgpu.copy_gmem_to_smem(data_ref.at[:, pl.ds(start, rows)], data_smem.at[slot],
+                                        q_bars.at[slot, 1])  # fmt: skip
+
+            for chunk in range(stages):
+                pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
+            for bar in range(3):
+                plgpu.barrier_wait(key_bars.at[bar])
+            slots = key_slot + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=col_layout)
+            slots = jnp.where(slots >= row_start, slots, NOT_VISIBLE)
+            key_segs = plgpu.load(kseg_smem, layout=col_layout, optimized=False)
+
+            def chunk_body(chunk, carry):
+                slot = chunk % stages
+                plgpu.barrier_wait(q_bars.at[slot, 0])
+                plgpu.barrier_wait(q_bars.at[slot, 1])
+
+                def scores(acc):
+                    plgpu.wgmma(acc, q_smem.at[slot], k_smem.transpose((1, 0)))
+                    return acc[...]
+
+                logits = pl.run_scoped(scores, plgpu.ACC((rows, size), jnp.float32))
+                query_data = [plgpu.load(data_smem.at[slot, c], layout=row_layout,
+                                         optimized=False) for c in range(2)]  # fmt: skip
+                pl.when(chunk + stages < num_chunks)(lambda: fetch(chunk + stages))
+                visible = _visible(query_data, slots, key_segs, logits.shape)
+                probs, top, total = _softmax_block(geo, logits, visible)
+
+                p_smem[...] = probs.astype(dtype)  # the last chunk's P·V has read it
+                plgpu.commit_smem()
+
+                def values(acc):
+                    plgpu.wgmma(acc, p_smem, v_smem)
+                    return acc[...]
+
+                out = pl.run_scoped(values, plgpu.ACC((rows, dim), jnp.float32))
+                seen = total > 0
+                scale = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
+                out = out * jax.lax.broadcast_in_dim(scale, out.shape, [0])
+                lse = jnp.where(seen, (top + jnp.log2(jnp.where(seen, total, 1.0))) * math.log(2),
+                                -jnp.inf)  # fmt: skip
+                _store(o_smem, lse_smem, o_ref, lse_ref, out.astype(dtype), lse,
+                       (first + chunk * queries) * group, entries - chunk * queries)
+                return carry
+
+            jax.lax.fori_loop(0, num_chunks, chunk_body, 0)
+
+        program = jax.lax.axis_index("sm")
+        chunks.for_each_segment((None,) * 4 + (count_ref,), segment_body,
+                                grid=(program, programs))  # fmt: skip
+        plgpu.wait_smem_to_gmem(0)
+
+    def _store(o_smem, lse_smem, o_ref, lse_ref, out, lse, start, valid_queries):
+        """Stage a chunk's rows in shared memory and TMA-store its valid queries' rows."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores have read
+        o_smem[...] = out
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        whole = valid_queries >= queries
+
+        @pl.when(whole)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(start, rows)], commit_group=False)
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[pl.ds(start, rows)], commit_group=False)
+
+        for query in range(queries):  # a list's last chunk: query by query
+
+            @pl.when(~whole & (query < valid_queries))
+            def _(query=query):
+                some, target = pl.ds(query * group, group), pl.ds(start + query * group, group)
+                plgpu.copy_smem_to_gmem(o_smem.at[some], o_ref.at[target], commit_group=False)
+                plgpu.copy_smem_to_gmem(lse_smem.at[some], lse_ref.at[target],
+                                        commit_group=False)  # fmt: skip
+
+        plgpu.commit_smem_to_gmem_group()
+
+    entry_rows = geo.entries * group
+    scratch = (
+        plgpu.SMEM((size, dim), dtype, transforms=_swizzled(dim, dtype)),
+        plgpu.SMEM((size, dim), dtype, transforms=_swizzled(dim, dtype)),
+        plgpu.SMEM((size,), jnp.int32),
+        plgpu.SMEM((stages, rows, dim), dtype, transforms=_swizzled(dim, dtype)),
+        plgpu.SMEM((stages, 2, rows), jnp.int32),
+        plgpu.SMEM((rows, size), dtype, transforms=_swizzled(size, dtype)),
+        plgpu.SMEM((rows, dim), dtype, transforms=out_transforms),
+        plgpu.SMEM((rows,), jnp.float32),
+        plgpu.Barrier(num_barriers=3),
+        plgpu.Barrier(num_barriers=(stages, 2)),
+    )
+    run = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((entry_rows, dim), dtype),
+                  jax.ShapeDtypeStruct((entry_rows,), jnp.float32)),  # fmt: skip
+        scratch_types=scratch,
+        grid=(programs,),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Mosaic GPU's own interpreter (CPU tests); Pallas' generic one knows no TMA or wgmma
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return run(table, num_segments, q_rows, row_data, k, v, key_segments)
