@@ -9,10 +9,14 @@ stores each row's o / l and lse_e = m + log l; an XLA combine over each query's 
 LSE pass (a second Q·Kᵀ) is not needed.
 
 XLA presorts the operands (`presort`) into the sorted entry order of `block_lists.build`, so that
-a chunk's rows are contiguous and one TMA copy loads them: Q rows [E·G, Dh] and per row the
-query's global slot and segment id. K and V keep their [B·S, K, Dh] layout, padded by one block of
-rows at both ends so that a block that starts before its row or runs past the end stays inside
-the array (its outside keys are masked by slot).
+a chunk's rows are contiguous and one TMA copy loads them: Q rows [E·Ge, Dh] and per row the
+query's global slot and segment id. Mosaic GPU's TMA copies into swizzled tiles of 8 rows need a
+GMEM row offset that is a multiple of 8, so an entry takes Ge = max(G, 8) rows (G < 8: zero rows
+pad it; R then holds R / Ge queries), and K and V are shifted: they keep their [B·S, K, Dh]
+layout, padded by one block of rows at both ends (a block that starts before its row or runs past
+the end stays inside the array; its outside keys are masked by slot), in 8 copies, copy s shifted
+up by s rows, so that a block that starts at any row is an aligned 128-row window of one copy
+(`shifted_keys`; 16× K's bytes, small beside the gathered Q rows' k·Ge×).
 
 Grid: persistent, one program per SM (or `programs_per_core` of them), walking segments as
 `chunks.for_each_segment` does: segments are many and small (≤ segment_chunks chunks), so a fixed
@@ -28,11 +32,12 @@ shares are q's dtype too) and lse_e in fp32 (the combine exponentiates differenc
 
 A chunk at the end of a block's list holds fewer than chunk_queries valid entries; the entries
 after them belong to the next block's list, whose program writes them. The last chunk of a list is
-therefore stored query by query (one predicated TMA copy of G rows each), the others in one copy.
+therefore stored query by query (one TMA copy of Ge rows each, under `pl.when`: the interpreter
+has no predicated copies), the others in one copy.
 
-Shapes: B batch, S sequence, H query heads, K kv heads, G = H // K, Dh head dim, k selections per
-query, W queries per window, E = B·W·K·k entries, R = chunk_queries·G rows of a chunk, block =
-block_size keys.
+Shapes: B batch, S sequence, H query heads, K kv heads, G = H // K, Ge = max(G, 8) rows per
+entry, Dh head dim, k selections per query, W queries per window, E = B·W·K·k entries, R =
+chunk_queries·Ge rows of a chunk, block = block_size keys.
 """
 
 import dataclasses
@@ -50,8 +55,14 @@ BLOCK_SIZES = (128,)  # one wgmma N / K tile of keys per block
 HEAD_DIM_MULTIPLE = 64  # the swizzled tiles' minor size in 16-bit elements
 WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its registers
 NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
+TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
 # columns of the per-segment table
-FIRST, COUNT, KV_ROW, KEY_SLOT, ROW_START, HEAD = range(6)
+FIRST, COUNT, KV_ROW, KV_TILE, KV_SHIFT, KEY_SLOT, ROW_START, HEAD = range(8)
+
+
+def entry_rows(group: int) -> int:
+    """Ge: rows of one entry (its G heads, zero-padded to a whole tile)."""
+    return max(group, TILE_ROWS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +75,9 @@ class Tiling:
     programs_per_core: int = 1  # 2 fit the shared memory at Dh = 128 (about 112 KiB each)
 
     def chunk_queries(self, group: int) -> int:
-        if self.rows % group:
-            raise ValueError(f"Tiling.rows={self.rows} is not a multiple of G={group}")
-        return self.rows // group
+        if self.rows % entry_rows(group):
+            raise ValueError(f"Tiling.rows={self.rows} is not whole entries of G={group} heads")
+        return self.rows // entry_rows(group)
 
 
 def unsupported_reason(dtype, group: int, head_dim: int, block_size: int, tiling: Tiling) -> str:
@@ -75,10 +86,9 @@ def unsupported_reason(dtype, group: int, head_dim: int, block_size: int, tiling
         return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16"
     if tiling.rows not in WARPGROUP_ROWS:
         return f"mosaic rows={tiling.rows} is not one of {WARPGROUP_ROWS}"
-    if tiling.rows % group or (tiling.rows // group) & (tiling.rows // group - 1):
+    per_entry = entry_rows(group)
+    if tiling.rows % per_entry or (tiling.rows // per_entry) & (tiling.rows // per_entry - 1):
         return f"mosaic rows={tiling.rows} are not a power-of-two number of queries of {group} heads"
-    if group < 4:
-        return f"G={group} query heads per kv head: a query's LSE row is under TMA's 16 bytes"
     if head_dim % HEAD_DIM_MULTIPLE:
         return f"head_dim={head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
     if block_size not in BLOCK_SIZES:
@@ -105,9 +115,10 @@ def num_programs(tiling: Tiling) -> int:
 
 
 def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_chunks: int):
-    """[E, 6] int32 per segment (rows past num_segments are junk, never read): sorted position of
-    its first entry, its number of entries, the padded K/V row of the block window's first key,
-    that key's global slot b·S + slot, b·S, and the kv head."""
+    """[E, 8] int32 per segment (rows past num_segments are junk, never read): sorted position of
+    its first entry, its number of entries, the padded K/V row of the block window's first key
+    (also as tile·8 + shift: its aligned row in the shifted copy `shift`), that key's global slot
+    b·S + slot, b·S, and the kv head."""
     seq, size = geo.seq, geo.block_size
     key = lists.keys[lists.segment_starts]
     pair, offset = key // (2 * seq), key % (2 * seq)
@@ -117,14 +128,15 @@ def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_c
     end = jnp.searchsorted(lists.keys, key, side="right").astype(jnp.int32)
     count = jnp.minimum(end - lists.segment_starts, segment_chunks * geo.chunk_queries)
     row_start = batch * seq
-    columns = (lists.segment_starts, count, size + row_start + window, row_start + window,
-               row_start, head)  # fmt: skip
+    kv_row = size + row_start + window
+    columns = (lists.segment_starts, count, kv_row, kv_row // TILE_ROWS, kv_row % TILE_ROWS,
+               row_start + window, row_start, head)  # fmt: skip
     return jnp.stack(columns, axis=1).astype(jnp.int32)
 
 
 def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids, offset):
-    """Q rows [E·G + R, Dh] and row data [2, E·G + R] int32 (query's global slot, its segment id)
-    in sorted entry order, G rows per entry, padded by one chunk so every chunk's copy is in
+    """Q rows [E·Ge + R, Dh] and row data [2, E·Ge + R] int32 (query's global slot, its segment
+    id) in sorted entry order, Ge rows per entry, padded by one chunk so every chunk's copy is in
     bounds.
 
     q: [B, W, H, Dh] the window's queries; segment_ids: [B, S]; offset: slot of query 0.
@@ -134,18 +146,27 @@ def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids,
     head = (lists.entries // geo.topk) % geo.num_kv_heads
     batch, index = query // geo.window, query % geo.window
     grouped = q.reshape(geo.batch * geo.window, geo.num_kv_heads, geo.group, geo.head_dim)
-    rows = grouped[query, head].reshape(-1, geo.head_dim)
+    per_entry = entry_rows(geo.group)
+    rows = jnp.pad(grouped[query, head], [(0, 0), (0, per_entry - geo.group), (0, 0)])
+    rows = rows.reshape(-1, geo.head_dim)
     slot = jnp.minimum(offset + index, geo.seq - 1)  # padded queries of the last window: invalid
     data = jnp.stack([batch * geo.seq + slot, segment_ids.astype(jnp.int32)[batch, slot]])
-    data = jnp.repeat(data, geo.group, axis=1)
-    pad = geo.rows
+    data = jnp.repeat(data, per_entry, axis=1)
+    pad = geo.chunk_queries * per_entry
     return jnp.pad(rows, [(0, pad), (0, 0)]), jnp.pad(data, [(0, 0), (0, pad)])
 
 
 def pad_keys(x: jax.Array, block_size: int) -> jax.Array:
-    """[B, S, K, D] or [B, S] -> rows [B·S + 2·block, ...]: one block of zero rows at each end."""
+    """[B, S, ...] -> rows [B·S + 2·block, ...]: one block of zero rows at each end."""
     flat = x.reshape(-1, *x.shape[2:])
     return jnp.pad(flat, [(block_size, block_size)] + [(0, 0)] * (flat.ndim - 1))
+
+
+def shifted_keys(x: jax.Array, block_size: int) -> jax.Array:
+    """[B, S, K, Dh] -> [8, B·S + 2·block, K, Dh]: copy s holds padded row r + s at row r."""
+    flat = pad_keys(x, block_size)
+    flat = jnp.pad(flat, [(0, TILE_ROWS)] + [(0, 0)] * (flat.ndim - 1))
+    return jnp.stack([flat[s : s + flat.shape[0] - TILE_ROWS] for s in range(TILE_ROWS)])
 
 
 def combine(geo: chunks.Geometry, lists, valid, o, lse):
@@ -153,12 +174,12 @@ def combine(geo: chunks.Geometry, lists, valid, o, lse):
     lse = logsumexp over the query's k selections, out = Σ_j exp(lse_j - lse)·o_j; a (query,
     head) that sees no key has lse = -inf and out = 0."""
     shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
-    ok = valid.reshape(*shape, 1)
-    lse_j = jnp.where(ok, block_lists.by_selection(lse.reshape(-1, geo.group), lists, shape),
-                      -jnp.inf)  # fmt: skip
+    ok, per_entry, g = valid.reshape(*shape, 1), entry_rows(geo.group), geo.group
+    lse_j = block_lists.by_selection(lse.reshape(-1, per_entry)[:, :g], lists, shape)
+    lse_j = jnp.where(ok, lse_j, -jnp.inf)
     total = jax.nn.logsumexp(lse_j, axis=3)
     weights = jnp.exp(lse_j - jnp.where(jnp.isfinite(total), total, 0.0)[:, :, :, None])
-    o_j = block_lists.by_selection(o.reshape(-1, geo.group, geo.head_dim), lists, shape)
+    o_j = block_lists.by_selection(o.reshape(-1, per_entry, geo.head_dim)[:, :g], lists, shape)
     o_j = jnp.where(ok[..., None], o_j.astype(jnp.float32), 0.0)  # unused slots: never written
     out = jnp.einsum("bwkjg,bwkjgd->bwkgd", weights, o_j)
     return out.reshape(geo.batch, geo.window, geo.num_heads, geo.head_dim), total
@@ -201,31 +222,29 @@ def forward(
     *,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per sorted entry: (o / l [E·G, Dh] in q's dtype, lse_e [E·G] fp32, -inf for rows that see
+    """Per sorted entry: (o / l [E·Ge, Dh] in q's dtype, lse_e [E·Ge] fp32, -inf for rows that see
     no key of the block).
 
-    table: [E, 6] `segment_table`; num_segments: [1]; q_rows, row_data: `presort`; k, v:
-    [B·S + 2·block, K, Dh] and key_segments [B·S + 2·block] from `pad_keys`.
+    table: [E, 8] `segment_table`; num_segments: [1]; q_rows, row_data: `presort`; k, v:
+    [8, B·S + 2·block, K, Dh] from `shifted_keys`; key_segments [B·S + 2·block] from `pad_keys`.
     """
-    rows, size, dim, group = geo.rows, geo.block_size, geo.head_dim, geo.group
+    rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, q_rows.dtype
     programs = num_programs(tiling)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    # G >= 8 rows per query are whole 8-row tiles of the swizzled layout; fewer need a plain one
-    out_transforms = _swizzled(dim, dtype) if group % 8 == 0 else ()
 
     def kernel(table_ref, count_ref, q_ref, data_ref, k_ref, v_ref, kseg_ref, o_ref, lse_ref,
                k_smem, v_smem, kseg_smem, q_smem, data_smem, p_smem, o_smem, lse_smem, key_bars,
                q_bars):  # fmt: skip
         def segment_body(index, part):
             del part  # whole blocks
-            first, entries, kv_row = (table_ref[index, c] for c in (FIRST, COUNT, KV_ROW))
-            key_slot, row_start, head = (table_ref[index, c] for c in (KEY_SLOT, ROW_START, HEAD))
+            first, entries, kv_row, tile, shift, key_slot, row_start, head = (
+                table_ref[index, column] for column in range(HEAD + 1))
             num_chunks = (entries + queries - 1) // queries
-            keys = pl.ds(kv_row, size)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys, head], k_smem, key_bars.at[0])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys, head], v_smem, key_bars.at[1])
-            plgpu.copy_gmem_to_smem(kseg_ref.at[keys], kseg_smem, key_bars.at[2])
+            keys = (shift, pl.ds(tile * TILE_ROWS, size), head)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, key_bars.at[0])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, key_bars.at[1])
+            plgpu.copy_gmem_to_smem(kseg_ref.at[pl.ds(kv_row, size)], kseg_smem, key_bars.at[2])
 
             def fetch(chunk):
                 slot, start = chunk % stages, (first + chunk * queries) * group
@@ -306,7 +325,7 @@ def forward(
 
         plgpu.commit_smem_to_gmem_group()
 
-    entry_rows = geo.entries * group
+    out_rows = geo.entries * group
     scratch = (
         plgpu.SMEM((size, dim), dtype, transforms=_swizzled(dim, dtype)),
         plgpu.SMEM((size, dim), dtype, transforms=_swizzled(dim, dtype)),
@@ -314,15 +333,15 @@ def forward(
         plgpu.SMEM((stages, rows, dim), dtype, transforms=_swizzled(dim, dtype)),
         plgpu.SMEM((stages, 2, rows), jnp.int32),
         plgpu.SMEM((rows, size), dtype, transforms=_swizzled(size, dtype)),
-        plgpu.SMEM((rows, dim), dtype, transforms=out_transforms),
+        plgpu.SMEM((rows, dim), dtype, transforms=_swizzled(dim, dtype)),
         plgpu.SMEM((rows,), jnp.float32),
         plgpu.Barrier(num_barriers=3),
         plgpu.Barrier(num_barriers=(stages, 2)),
     )
     run = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((entry_rows, dim), dtype),
-                  jax.ShapeDtypeStruct((entry_rows,), jnp.float32)),  # fmt: skip
+        out_type=(jax.ShapeDtypeStruct((out_rows, dim), dtype),
+                  jax.ShapeDtypeStruct((out_rows,), jnp.float32)),  # fmt: skip
         scratch_types=scratch,
         grid=(programs,),
         grid_names=("sm",),

@@ -271,8 +271,9 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             windows.offsets,
         )
         if mosaic:
-            keys = tuple(mosaic_forward.pad_keys(x, geo.block_size)
-                         for x in (k, v, segment_ids.astype(jnp.int32)))  # fmt: skip
+            keys = (mosaic_forward.shifted_keys(k, geo.block_size),
+                    mosaic_forward.shifted_keys(v, geo.block_size),
+                    mosaic_forward.pad_keys(segment_ids.astype(jnp.int32), geo.block_size))
             out, kl, lse, lse_z = jax.lax.map(
                 lambda window: mosaic_window(keys, segment_ids, window), xs
             )
