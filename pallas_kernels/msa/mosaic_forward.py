@@ -57,7 +57,7 @@ WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its
 NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
 TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
 # columns of the per-segment table
-FIRST, COUNT, KV_ROW, KV_TILE, KV_SHIFT, KEY_SLOT, ROW_START, HEAD = range(8)
+FIRST, COUNT, KV_TILE, KV_SHIFT, KEY_SLOT, ROW_START, HEAD = range(7)
 
 
 def entry_rows(group: int) -> int:
@@ -115,9 +115,9 @@ def num_programs(tiling: Tiling) -> int:
 
 
 def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_chunks: int):
-    """[E, 8] int32 per segment (rows past num_segments are junk, never read): sorted position of
-    its first entry, its number of entries, the padded K/V row of the block window's first key
-    (also as tile·8 + shift: its aligned row in the shifted copy `shift`), that key's global slot
+    """[E, 7] int32 per segment (rows past num_segments are junk, never read): sorted position of
+    its first entry, its number of entries, the padded K/V row of the block window's first key as
+    tile·8 + shift (its aligned row tile·8 in the shifted copy `shift`), that key's global slot
     b·S + slot, b·S, and the kv head."""
     seq, size = geo.seq, geo.block_size
     key = lists.keys[lists.segment_starts]
@@ -129,7 +129,7 @@ def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_c
     count = jnp.minimum(end - lists.segment_starts, segment_chunks * geo.chunk_queries)
     row_start = batch * seq
     kv_row = size + row_start + window
-    columns = (lists.segment_starts, count, kv_row, kv_row // TILE_ROWS, kv_row % TILE_ROWS,
+    columns = (lists.segment_starts, count, kv_row // TILE_ROWS, kv_row % TILE_ROWS,
                row_start + window, row_start, head)  # fmt: skip
     return jnp.stack(columns, axis=1).astype(jnp.int32)
 
@@ -157,13 +157,16 @@ def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids,
 
 
 def pad_keys(x: jax.Array, block_size: int) -> jax.Array:
-    """[B, S, ...] -> rows [B·S + 2·block, ...]: one block of zero rows at each end."""
+    """[B, S, ...] -> rows [N, ...]: one block of zero rows at each end, and up to 7 more at the
+    end, since a TMA copy into 8-row tiles needs a whole number of tiles in GMEM too."""
     flat = x.reshape(-1, *x.shape[2:])
-    return jnp.pad(flat, [(block_size, block_size)] + [(0, 0)] * (flat.ndim - 1))
+    after = block_size + -flat.shape[0] % TILE_ROWS
+    return jnp.pad(flat, [(block_size, after)] + [(0, 0)] * (flat.ndim - 1))
 
 
 def shifted_keys(x: jax.Array, block_size: int) -> jax.Array:
-    """[B, S, K, Dh] -> [8, B·S + 2·block, K, Dh]: copy s holds padded row r + s at row r."""
+    """[B, S, ...] -> [8, N, ...]: copy s holds `pad_keys` row r + s at row r (the key segment
+    ids too: a 1-D TMA copy's GMEM start must be 16-byte aligned)."""
     flat = pad_keys(x, block_size)
     flat = jnp.pad(flat, [(0, TILE_ROWS)] + [(0, 0)] * (flat.ndim - 1))
     return jnp.stack([flat[s : s + flat.shape[0] - TILE_ROWS] for s in range(TILE_ROWS)])
@@ -225,8 +228,8 @@ def forward(
     """Per sorted entry: (o / l [E·Ge, Dh] in q's dtype, lse_e [E·Ge] fp32, -inf for rows that see
     no key of the block).
 
-    table: [E, 8] `segment_table`; num_segments: [1]; q_rows, row_data: `presort`; k, v:
-    [8, B·S + 2·block, K, Dh] from `shifted_keys`; key_segments [B·S + 2·block] from `pad_keys`.
+    table: [E, 7] `segment_table`; num_segments: [1]; q_rows, row_data: `presort`; k, v, and
+    key_segments: [8, N, K, Dh] and [8, N] from `shifted_keys`.
     """
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, q_rows.dtype
@@ -238,13 +241,13 @@ def forward(
                q_bars):  # fmt: skip
         def segment_body(index, part):
             del part  # whole blocks
-            first, entries, kv_row, tile, shift, key_slot, row_start, head = (
+            first, entries, tile, shift, key_slot, row_start, head = (
                 table_ref[index, column] for column in range(HEAD + 1))
             num_chunks = (entries + queries - 1) // queries
             keys = (shift, pl.ds(tile * TILE_ROWS, size), head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, key_bars.at[0])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, key_bars.at[1])
-            plgpu.copy_gmem_to_smem(kseg_ref.at[pl.ds(kv_row, size)], kseg_smem, key_bars.at[2])
+            plgpu.copy_gmem_to_smem(kseg_ref.at[keys[:2]], kseg_smem, key_bars.at[2])
 
             def fetch(chunk):
                 slot, start = chunk % stages, (first + chunk * queries) * group
