@@ -183,8 +183,11 @@ def combine(geo: chunks.Geometry, lists, valid, o, lse):
     total = jax.nn.logsumexp(lse_j, axis=3)
     weights = jnp.exp(lse_j - jnp.where(jnp.isfinite(total), total, 0.0)[:, :, :, None])
     o_j = block_lists.by_selection(o.reshape(-1, per_entry, geo.head_dim)[:, :g], lists, shape)
-    o_j = jnp.where(ok[..., None], o_j.astype(jnp.float32), 0.0)  # unused slots: never written
-    out = jnp.einsum("bwkjg,bwkjgd->bwkgd", weights, o_j)
+    # unused slots were never written; an elementwise product and a sum over j fuse with the
+    # gather into one pass (as an einsum, XLA transposed o_j for a dot first: 11 of the 31 ms
+    # of the attention forward at S = 32K on the H200)
+    shares = jnp.where(ok[..., None], weights[..., None] * o_j.astype(jnp.float32), 0.0)
+    out = shares.sum(axis=3)
     return out.reshape(geo.batch, geo.window, geo.num_heads, geo.head_dim), total
 
 
