@@ -8,15 +8,16 @@ stores each row's o / l and lse_e = m + log l; an XLA combine over each query's 
 (`combine`) turns those into the output and the per-(query, head) LSE. The Triton path's separate
 LSE pass (a second Q·Kᵀ) is not needed.
 
-XLA presorts the operands (`presort`) into the sorted entry order of `block_lists.build`, so that
-a chunk's rows are contiguous and one TMA copy loads them: Q rows [E·Ge, Dh] and per row the
-query's global slot and segment id. Mosaic GPU's TMA copies into swizzled tiles of 8 rows need a
-GMEM row offset that is a multiple of 8, so an entry takes Ge = max(G, 8) rows (G < 8: zero rows
-pad it; R then holds R / Ge queries), and K and V are shifted: they keep their [B·S, K, Dh]
+Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
+entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
+entry's G rows (a query's heads of one kv head, consecutive in q) into the chunk's buffer; with G <
+8, XLA gathers Q rows [E·Ge, Dh] in sorted entry order (Ge = 8 rows per entry, G of them real), so
+that one copy loads a chunk. Mosaic GPU's TMA copies into swizzled tiles of 8 rows need a GMEM row
+offset that is a multiple of 8, hence Ge; and K and V are shifted: they keep their [B·S, K, Dh]
 layout, padded by one block of rows at both ends (a block that starts before its row or runs past
 the end stays inside the array; its outside keys are masked by slot), in 8 copies, copy s shifted
 up by s rows, so that a block that starts at any row is an aligned 128-row window of one copy
-(`shifted_keys`; 16× K's bytes, small beside the gathered Q rows' k·Ge×).
+(`shifted_keys`: 16× K's bytes, small beside the k·G× of the per-entry outputs).
 
 Grid: persistent, one program per SM (or `programs_per_core` of them), walking segments as
 `chunks.for_each_segment` does: segments are many and small (≤ segment_chunks chunks), so a fixed
@@ -63,6 +64,13 @@ FIRST, COUNT, KV_TILE, KV_SHIFT, KEY_SLOT, ROW_START, HEAD = range(7)
 def entry_rows(group: int) -> int:
     """Ge: rows of one entry (its G heads, zero-padded to a whole tile)."""
     return max(group, TILE_ROWS)
+
+
+def gathers_queries(group: int) -> bool:
+    """Whether the kernel TMA-copies each entry's G rows straight from q (G a whole number of
+    tiles: a query's heads of one kv head are G consecutive rows) rather than from rows XLA
+    gathered (G < 8)."""
+    return group % TILE_ROWS == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +143,11 @@ def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_c
 
 
 def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids, offset):
-    """Q rows [E·Ge + R, Dh] and row data [2, E·Ge + R] int32 (query's global slot, its segment
+    """The kernel's Q operand and row data [2, E·Ge + R] int32 (query's global slot, its segment
     id) in sorted entry order, Ge rows per entry, padded by one chunk so every chunk's copy is in
-    bounds.
+    bounds. Q: the window's rows [B·W·H, Dh] as they are where the kernel copies each entry's
+    rows itself (`gathers_queries`), else Q rows [E·Ge + R, Dh] in sorted entry order (an XLA
+    gather: as many bytes as the kernel's output, written and read once more).
 
     q: [B, W, H, Dh] the window's queries; segment_ids: [B, S]; offset: slot of query 0.
     """
@@ -146,14 +156,15 @@ def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids,
     head = (lists.entries // geo.topk) % geo.num_kv_heads
     batch, index = query // geo.window, query % geo.window
     grouped = q.reshape(geo.batch * geo.window, geo.num_kv_heads, geo.group, geo.head_dim)
-    per_entry = entry_rows(geo.group)
-    rows = jnp.pad(grouped[query, head], [(0, 0), (0, per_entry - geo.group), (0, 0)])
-    rows = rows.reshape(-1, geo.head_dim)
+    per_entry, pad = entry_rows(geo.group), geo.chunk_queries
     slot = jnp.minimum(offset + index, geo.seq - 1)  # padded queries of the last window: invalid
     data = jnp.stack([batch * geo.seq + slot, segment_ids.astype(jnp.int32)[batch, slot]])
-    data = jnp.repeat(data, per_entry, axis=1)
-    pad = geo.chunk_queries * per_entry
-    return jnp.pad(rows, [(0, pad), (0, 0)]), jnp.pad(data, [(0, 0), (0, pad)])
+    data = jnp.repeat(jnp.pad(data, [(0, 0), (0, pad)]), per_entry, axis=1)
+    if gathers_queries(geo.group):
+        return q.reshape(-1, geo.head_dim), data
+    padded = (jnp.pad(query, (0, pad)), jnp.pad(head, (0, pad)))  # one gather writes the pad
+    rows = jnp.pad(grouped[padded], [(0, 0), (0, per_entry - geo.group), (0, 0)])
+    return rows.reshape(-1, geo.head_dim), data
 
 
 def pad_keys(x: jax.Array, block_size: int) -> jax.Array:
@@ -220,6 +231,7 @@ def forward(
     tiling: Tiling,
     table: jax.Array,
     num_segments: jax.Array,
+    entries: jax.Array,
     q_rows: jax.Array,
     row_data: jax.Array,
     k: jax.Array,
@@ -231,17 +243,20 @@ def forward(
     """Per sorted entry: (o / l [E·Ge, Dh] in q's dtype, lse_e [E·Ge] fp32, -inf for rows that see
     no key of the block).
 
-    table: [E, 7] `segment_table`; num_segments: [1]; q_rows, row_data: `presort`; k, v, and
+    table: [E, 7] `segment_table`; num_segments: [1]; entries: [E] `BlockLists.entries` (the
+    flat selection ((b·W + i)·K + h)·k + j of each sorted entry); q_rows, row_data: `presort`; k,
+    v, and
     key_segments: [8, N, K, Dh] and [8, N] from `shifted_keys`.
     """
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, q_rows.dtype
     programs = num_programs(tiling)
+    direct = gathers_queries(geo.group)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    def kernel(table_ref, count_ref, q_ref, data_ref, k_ref, v_ref, kseg_ref, o_ref, lse_ref,
-               k_smem, v_smem, kseg_smem, q_smem, data_smem, p_smem, o_smem, lse_smem, key_bars,
-               q_bars):  # fmt: skip
+    def kernel(table_ref, count_ref, entries_ref, q_ref, data_ref, k_ref, v_ref, kseg_ref, o_ref,
+               lse_ref, k_smem, v_smem, kseg_smem, q_smem, data_smem, p_smem, o_smem, lse_smem,
+               key_bars, q_bars, data_bars):  # fmt: skip
         def segment_body(index, part):
             del part  # whole blocks
             first, entries, tile, shift, key_slot, row_start, head = (
@@ -254,10 +269,18 @@ def forward(
 
             def fetch(chunk):
                 slot, start = chunk % stages, (first + chunk * queries) * group
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, rows)], q_smem.at[slot],
-                                        q_bars.at[slot, 0])  # fmt: skip
+                if direct:  # each entry's G rows from q (entries past the list: never stored)
+                    for query in range(queries):
+                        position = jnp.minimum(first + chunk * queries + query, geo.entries - 1)
+                        row = entries_ref[position] // geo.topk * group  # ((b·W + i)·K + h)·G
+                        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row, group)],
+                                                q_smem.at[slot, pl.ds(query * group, group)],
+                                                q_bars.at[slot])  # fmt: skip
+                else:
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, rows)], q_smem.at[slot],
+                                            q_bars.at[slot])  # fmt: skip
                 plgpu.copy_gmem_to_smem(data_ref.at[:, pl.ds(start, rows)], data_smem.at[slot],
-                                        q_bars.at[slot, 1])  # fmt: skip
+                                        data_bars.at[slot])  # fmt: skip
 
             for chunk in range(stages):
                 pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
@@ -269,8 +292,8 @@ def forward(
 
             def chunk_body(chunk, carry):
                 slot = chunk % stages
-                plgpu.barrier_wait(q_bars.at[slot, 0])
-                plgpu.barrier_wait(q_bars.at[slot, 1])
+                plgpu.barrier_wait(q_bars.at[slot])
+                plgpu.barrier_wait(data_bars.at[slot])
 
                 def scores(acc):
                     plgpu.wgmma(acc, q_smem.at[slot], k_smem.transpose((1, 0)))
@@ -342,7 +365,8 @@ def forward(
         plgpu.SMEM((rows, dim), dtype, transforms=_swizzled(dim, dtype)),
         plgpu.SMEM((rows,), jnp.float32),
         plgpu.Barrier(num_barriers=3),
-        plgpu.Barrier(num_barriers=(stages, 2)),
+        plgpu.Barrier(num_arrivals=queries if direct else 1, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
     )
     run = plgpu.kernel(
         kernel,
@@ -355,4 +379,4 @@ def forward(
         # Mosaic GPU's own interpreter (CPU tests); Pallas' generic one knows no TMA or wgmma
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return run(table, num_segments, q_rows, row_data, k, v, key_segments)
+    return run(table, num_segments, entries, q_rows, row_data, k, v, key_segments)

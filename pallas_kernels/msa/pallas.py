@@ -233,8 +233,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         table = mosaic_forward.segment_table(geo, lists, tiling.segment_chunks)
         q_rows, row_data = mosaic_forward.presort(geo, lists, q, segment_ids, offset)
-        o, lse_e = mosaic_forward.forward(geo, tiling, table, lists.num_segments, q_rows,
-                                          row_data, *keys, **kernels)  # fmt: skip
+        o, lse_e = mosaic_forward.forward(geo, tiling, table, lists.num_segments, lists.entries,
+                                          q_rows, row_data, *keys, **kernels)  # fmt: skip
         out, lse = mosaic_forward.combine(geo, lists, valid, o, lse_e)
         return out.astype(q.dtype), None, lse, None
 
