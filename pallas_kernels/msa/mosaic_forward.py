@@ -49,6 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# the swizzled TMA / wgmma tiling of the project's other Mosaic GPU kernel (one home for it)
+from pallas_kernels.moe.mosaic_gpu import _smem_transforms as _swizzled
 from pallas_kernels.msa import block_lists, chunks
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -57,8 +59,7 @@ HEAD_DIM_MULTIPLE = 64  # the swizzled tiles' minor size in 16-bit elements
 WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its registers
 NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
 TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
-# columns of the per-segment table
-FIRST, COUNT, KV_TILE, KV_SHIFT, KEY_SLOT, ROW_START, HEAD = range(7)
+TABLE_COLUMNS = 7  # of `segment_table`
 
 
 def entry_rows(group: int) -> int:
@@ -77,10 +78,12 @@ def gathers_queries(group: int) -> bool:
 class Tiling:
     """Launch parameters of the Mosaic kernel (defaults not yet tuned on the H200)."""
 
-    rows: int = 64  # R = chunk_queries · G rows per chunk
+    rows: int = 64  # R = chunk_queries · Ge rows per chunk
     segment_chunks: int = 16  # chunks per segment: K/V loads amortised vs. load balance
     stages: int = 2  # Q buffers in flight
-    programs_per_core: int = 1  # 2 fit the shared memory at Dh = 128 (about 112 KiB each)
+    # shared memory per program at Dh = 128, stages = 2: K, V 32 KiB each, Q 2 × 16, P 16, O
+    # staging 16, row data ~2: 130 KiB, so a second program does not fit an SM's 227 KiB
+    programs_per_core: int = 1
 
     def chunk_queries(self, group: int) -> int:
         if self.rows % entry_rows(group):
@@ -96,19 +99,14 @@ def unsupported_reason(dtype, group: int, head_dim: int, block_size: int, tiling
         return f"mosaic rows={tiling.rows} is not one of {WARPGROUP_ROWS}"
     per_entry = entry_rows(group)
     if tiling.rows % per_entry or (tiling.rows // per_entry) & (tiling.rows // per_entry - 1):
-        return f"mosaic rows={tiling.rows} are not a power-of-two number of queries of {group} heads"
+        return (
+            f"mosaic rows={tiling.rows} are not a power-of-two number of queries of {group} heads"
+        )
     if head_dim % HEAD_DIM_MULTIPLE:
         return f"head_dim={head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
     if block_size not in BLOCK_SIZES:
         return f"block_size={block_size} is not one of {BLOCK_SIZES}"
     return ""
-
-
-def _swizzled(minor: int, dtype) -> tuple:
-    """Shared-memory transforms of TMA / wgmma tiles whose last dimension is `minor`."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(minor * bits)
-    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 def num_programs(tiling: Tiling) -> int:
@@ -123,7 +121,8 @@ def num_programs(tiling: Tiling) -> int:
 
 
 def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_chunks: int):
-    """[E, 7] int32 per segment (rows past num_segments are junk, never read): sorted position of
+    """[E, TABLE_COLUMNS] int32 per segment (rows past num_segments are junk, never read): sorted
+    position of
     its first entry, its number of entries, the padded K/V row of the block window's first key as
     tile·8 + shift (its aligned row tile·8 in the shifted copy `shift`), that key's global slot
     b·S + slot, b·S, and the kv head."""
@@ -139,6 +138,7 @@ def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_c
     kv_row = size + row_start + window
     columns = (lists.segment_starts, count, kv_row // TILE_ROWS, kv_row % TILE_ROWS,
                row_start + window, row_start, head)  # fmt: skip
+    assert len(columns) == TABLE_COLUMNS
     return jnp.stack(columns, axis=1).astype(jnp.int32)
 
 
@@ -207,8 +207,9 @@ def combine(geo: chunks.Geometry, lists, valid, o, lse):
 
 
 def _softmax_block(geo: chunks.Geometry, scores, visible):
-    """Masked logits [R, block] fp32 -> (P in bf16/fp16-ready fp32, row max m, row sum l), with
-    base-2 exponentials (m in log2 units); rows that see nothing get m = 0, l = 0, P = 0."""
+    """Logits [R, block] fp32 and their mask -> (P = exp(S·Dh^-½ - m) fp32, row max m, row sum
+    l), in base 2 (m in log2 units: exp2 of one fused multiply-add per element); rows that see
+    nothing get m = 0, l = 0, P = 0."""
     log2e = math.log2(math.e)
     scaled = jnp.where(visible, scores * (geo.head_dim**-0.5 * log2e), -jnp.inf)
     top = scaled.max(axis=1)
@@ -243,10 +244,9 @@ def forward(
     """Per sorted entry: (o / l [E·Ge, Dh] in q's dtype, lse_e [E·Ge] fp32, -inf for rows that see
     no key of the block).
 
-    table: [E, 7] `segment_table`; num_segments: [1]; entries: [E] `BlockLists.entries` (the
-    flat selection ((b·W + i)·K + h)·k + j of each sorted entry); q_rows, row_data: `presort`; k,
-    v, and
-    key_segments: [8, N, K, Dh] and [8, N] from `shifted_keys`.
+    table: `segment_table`; num_segments: [1]; entries: [E] `BlockLists.entries` (the flat
+    selection ((b·W + i)·K + h)·k + j of each sorted entry); q_rows, row_data: `presort`; k, v,
+    key_segments: [8, N, K, Dh], [8, N, K, Dh], [8, N] from `shifted_keys`.
     """
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, q_rows.dtype
@@ -259,9 +259,10 @@ def forward(
                key_bars, q_bars, data_bars):  # fmt: skip
         def segment_body(index, part):
             del part  # whole blocks
-            first, entries, tile, shift, key_slot, row_start, head = (
-                table_ref[index, column] for column in range(HEAD + 1))
-            num_chunks = (entries + queries - 1) // queries
+            first, count, tile, shift, key_slot, row_start, head = (
+                table_ref[index, column] for column in range(TABLE_COLUMNS)
+            )
+            num_chunks = (count + queries - 1) // queries
             keys = (shift, pl.ds(tile * TILE_ROWS, size), head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, key_bars.at[0])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, key_bars.at[1])
@@ -302,6 +303,9 @@ def forward(
                 logits = pl.run_scoped(scores, plgpu.ACC((rows, size), jnp.float32))
                 query_data = [plgpu.load(data_smem.at[slot, c], layout=row_layout,
                                          optimized=False) for c in range(2)]  # fmt: skip
+                # every warp's wgmma has read the slot's Q and its loads its row data (a
+                # warpgroup barrier; the proxy fence orders those reads before the TMA writes)
+                plgpu.commit_smem()
                 pl.when(chunk + stages < num_chunks)(lambda: fetch(chunk + stages))
                 visible = _visible(query_data, slots, key_segs, logits.shape)
                 probs, top, total = _softmax_block(geo, logits, visible)
@@ -319,8 +323,16 @@ def forward(
                 out = out * jax.lax.broadcast_in_dim(scale, out.shape, [0])
                 lse = jnp.where(seen, (top + jnp.log2(jnp.where(seen, total, 1.0))) * math.log(2),
                                 -jnp.inf)  # fmt: skip
-                _store(o_smem, lse_smem, o_ref, lse_ref, out.astype(dtype), lse,
-                       (first + chunk * queries) * group, entries - chunk * queries)
+                _store(
+                    o_smem,
+                    lse_smem,
+                    o_ref,
+                    lse_ref,
+                    out.astype(dtype),
+                    lse,
+                    (first + chunk * queries) * group,
+                    count - chunk * queries,
+                )
                 return carry
 
             jax.lax.fori_loop(0, num_chunks, chunk_body, 0)
@@ -370,8 +382,10 @@ def forward(
     )
     run = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((out_rows, dim), dtype),
-                  jax.ShapeDtypeStruct((out_rows,), jnp.float32)),  # fmt: skip
+        out_type=(
+            jax.ShapeDtypeStruct((out_rows, dim), dtype),
+            jax.ShapeDtypeStruct((out_rows,), jnp.float32),
+        ),  # fmt: skip
         scratch_types=scratch,
         grid=(programs,),
         grid_names=("sm",),

@@ -271,9 +271,11 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             windows.offsets,
         )
         if mosaic:
-            keys = (mosaic_forward.shifted_keys(k, geo.block_size),
-                    mosaic_forward.shifted_keys(v, geo.block_size),
-                    mosaic_forward.shifted_keys(segment_ids.astype(jnp.int32), geo.block_size))
+            keys = (
+                mosaic_forward.shifted_keys(k, geo.block_size),
+                mosaic_forward.shifted_keys(v, geo.block_size),
+                mosaic_forward.shifted_keys(segment_ids.astype(jnp.int32), geo.block_size),
+            )
             out, kl, lse, lse_z = jax.lax.map(
                 lambda window: mosaic_window(keys, segment_ids, window), xs
             )

@@ -74,8 +74,17 @@ def test_gradients_equal_the_triton_forwards():
 
     def grads(config):
         def loss(q, k, v):
-            out, _ = pallas.sparse_attention(q, k, v, blocks, segments, positions,
-                                             block_size=BLOCK, config=config, interpret=True)
+            out, _ = pallas.sparse_attention(
+                q,
+                k,
+                v,
+                blocks,
+                segments,
+                positions,
+                block_size=BLOCK,
+                config=config,
+                interpret=True,
+            )
             return (out.astype(jnp.float32) * weights).sum()  # fmt: skip
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -105,7 +114,8 @@ def test_lowers_for_cuda_without_a_gpu():
 def test_unsupported_reason_names_the_mosaic_limits():
     q, k, _, _, _, _ = inputs(4, 2, seq=8, batch=1)
     reason = lambda q, k, **kw: pallas.unsupported_reason(  # noqa: E731
-        q, k, q, **{"block_size": BLOCK, "config": mosaic(), "interpret": True, **kw})
+        q, k, q, **{"block_size": BLOCK, "config": mosaic(), "interpret": True, **kw}
+    )
     assert reason(q, k) == ""
     assert "float32" in reason(q.astype(jnp.float32), k)
     assert "head_dim=48" in reason(q[..., :48], k[..., :48])
