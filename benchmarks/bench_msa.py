@@ -112,8 +112,8 @@ def compare_attention(kernels: list[str], seq: int = 8192 + 77, documents: int =
 
     def values_and_grads(module, x, **kwargs):
         def loss(q, k, v):
-            out, _ = module.sparse_attention(q, k, v, x["blocks"], x["segment_ids"],
-                                             x["positions"], block_size=BLOCK, **kwargs)  # fmt: skip
+            rows = (x["blocks"], x["segment_ids"], x["positions"])
+            out, _ = module.sparse_attention(q, k, v, *rows, block_size=BLOCK, **kwargs)
             return (out.astype(jnp.float32) * weights).sum(), out
 
         (_, out), grads = jax.jit(jax.value_and_grad(loss, range(3), has_aux=True))(

@@ -2,8 +2,9 @@
 
 Key-block-major like `forward_kernels.py`, but in one pass: per segment (one key block of one
 (row, kv head), `block_lists.py`) the block's K and V are TMA-copied into shared memory once; per
-chunk of R = chunk_queries·G rows the kernel computes S = Q·Kᵀ·Dh^-½ on wgmma, masks it, takes the
-row max m and sum l of P = exp(S - m) over the block alone, and computes O = P·V on wgmma. It
+chunk of R = chunk_queries·Ge rows the kernel computes S = Q·Kᵀ·Dh^-½ on wgmma, masks it, takes
+the row max m and sum l of P = exp(S - m) over the block alone, and computes O = P·V on wgmma (P
+through shared memory: Mosaic GPU's interpreter takes no register operand for wgmma). It
 stores each row's o / l and lse_e = m + log l; an XLA combine over each query's k selections
 (`combine`) turns those into the output and the per-(query, head) LSE. The Triton path's separate
 LSE pass (a second Q·Kᵀ) is not needed.
@@ -25,7 +26,13 @@ grid avoids a launch-size that depends on the data and keeps the per-program set
 shared-memory carve-out) out of the per-segment cost. Within a segment, the chunks' Q copies go
 through a ring of `stages` shared-memory buffers, so the next chunks' TMA overlaps this chunk's
 math; output stores are asynchronous TMA and are waited on only before the staging buffer is
-reused.
+reused. A segment's own K and V copies are not overlapped with the previous segment's math (one
+warpgroup, no warp specialisation yet).
+
+On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, top-16, S = 32K), the attention forward
+without a student took 14.3 ms against the Triton path's 28.4 (kernel 8.8 ms against 22.9 for
+the LSE and forward passes); at 128K, 58 ms against 119 (benchmarks/bench_msa.py
+--forward-kernels).
 
 Outputs are o / l in q's dtype (normalised per block, so within V's range: bf16 keeps the
 kernel's store and the combine's read at half the bytes of fp32, and the Triton path's per-entry

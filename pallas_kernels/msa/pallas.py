@@ -8,8 +8,8 @@
   the index projections; a custom VJP ties them together. `Config.forward_kernel="mosaic"` runs
   the forward without a student in one Mosaic GPU kernel instead (mosaic_forward.py); with a
   student (the indexer's KL) the forward stays on the Triton kernels, and the backward is the
-  Triton one either way (both forwards leave it the same LSE residual). Queries go in windows of at most
-  `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
+  Triton one either way (both forwards leave it the same LSE residual). Queries go in windows of
+  at most `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
 
 The other kernels are written for the Triton lowering of Pallas (a stepping stone towards Mosaic
