@@ -66,10 +66,12 @@ def test_forward_matches_reference(group, kv_heads, stages):
     np.testing.assert_allclose(as_f32(out[0, -3]), own_values, atol=OUT_TOLERANCE)
 
 
-def test_gradients_equal_the_triton_forwards():
+@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
+def test_gradients_equal_the_triton_forwards(group, kv_heads):
     """The backward is shared: equal gradients mean the Mosaic forward's LSE residual is the
-    per-(query, head) logsumexp the Triton forward leaves it."""
-    q, k, v, blocks, segments, positions = inputs(4, 2, seq=200, batch=1)
+    per-(query, head) logsumexp the Triton forward leaves it (Q rows gathered by XLA for G = 4,
+    copied per entry by the kernel for G = 16)."""
+    q, k, v, blocks, segments, positions = inputs(group, kv_heads, seq=200, batch=1)
     weights = jax.random.normal(jax.random.key(7), q.shape)
 
     def grads(config):
