@@ -67,6 +67,7 @@ WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its
 NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
 TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
 TABLE_COLUMNS = 7  # of `segment_table`
+SHARED_BYTES = 227 * 1024  # the H200's shared memory per program
 
 
 def entry_rows(group: int) -> int:
@@ -88,14 +89,20 @@ class Tiling:
     rows: int = 64  # R = chunk_queries · Ge rows per chunk
     segment_chunks: int = 16  # chunks per segment: K/V loads amortised vs. load balance
     stages: int = 2  # Q buffers in flight
-    # shared memory per program at Dh = 128, stages = 2: K, V 32 KiB each, Q 2 × 16, P 16, O
-    # staging 16, row data ~2: 130 KiB, so a second program does not fit an SM's 227 KiB
+    # `shared_bytes` at Dh = 128, stages = 2: 130 KiB, so a second program does not fit an SM
     programs_per_core: int = 1
 
     def chunk_queries(self, group: int) -> int:
         if self.rows % entry_rows(group):
             raise ValueError(f"Tiling.rows={self.rows} is not whole entries of G={group} heads")
         return self.rows // entry_rows(group)
+
+
+def shared_bytes(tiling: Tiling, head_dim: int, block_size: int, itemsize: int = 2) -> int:
+    """Shared memory of one program: K, V, the Q ring, P, the output staging, row data."""
+    tiles = (2 * block_size + (tiling.stages + 1) * tiling.rows) * head_dim
+    tiles += tiling.rows * block_size  # P
+    return tiles * itemsize + 4 * (block_size + (2 * tiling.stages + 1) * tiling.rows)
 
 
 def unsupported_reason(dtype, group: int, head_dim: int, block_size: int, tiling: Tiling) -> str:
@@ -113,6 +120,8 @@ def unsupported_reason(dtype, group: int, head_dim: int, block_size: int, tiling
         return f"head_dim={head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
     if block_size not in BLOCK_SIZES:
         return f"block_size={block_size} is not one of {BLOCK_SIZES}"
+    if (needed := shared_bytes(tiling, head_dim, block_size)) > SHARED_BYTES:
+        return f"head_dim={head_dim} needs {needed} bytes of shared memory (> {SHARED_BYTES})"
     return ""
 
 

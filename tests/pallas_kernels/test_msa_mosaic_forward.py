@@ -122,6 +122,8 @@ def test_unsupported_reason_names_the_mosaic_limits():
     assert "float32" in reason(q.astype(jnp.float32), k)
     assert "head_dim=48" in reason(q[..., :48], k[..., :48])
     assert "block_size=64" in reason(q, k, block_size=64)
+    wide_heads = jnp.tile(q, (1, 1, 1, 4))  # Dh = 256: K, V, Q ring, P, O over 227 KiB
+    assert "shared memory" in reason(wide_heads, jnp.tile(k, (1, 1, 1, 4)))
     wide = pallas.Config(forward_kernel="mosaic", mosaic=mosaic_forward.Tiling(rows=128))
     assert "rows=128" in reason(q, k, config=wide)
     assert "forward_kernel='cuda'" in reason(q, k, config=pallas.Config(forward_kernel="cuda"))
