@@ -2,7 +2,7 @@
 the XLA path) checked, then timed.
 
     python -m benchmarks.bench_msa [--lengths 32768 131072] [--xla-up-to 32768] [--output f.md]
-        [--tilings rows=64,warps=4 ...]
+        [--tilings rows=64,warps=4 ...] [--forward-kernels triton mosaic [--phases attn]]
 
 Checks first (fresh random inputs, NaN-poisoned memory freed just before each run, so unwritten
 outputs show): the kernels against the O(S²) reference in float32 at a short length, and against
@@ -13,6 +13,11 @@ selection, forward (selection + sparse attention + indexer KL) and forward+backw
 step's attention work), bf16, batch 1, 64 query / 4 kv heads, head dim 128, 4 index heads of 128,
 blocks of 128, top-16. Reports the median time, compiled memory, TFLOP/s by the spec/msa.md §3 cost
 model and the ratio to cuDNN measured in the same run. The last stdout line is JSON.
+
+`--forward-kernels` adds the phase `attn`: the sparse attention forward alone, without a student,
+on a given selection, once per `Config.forward_kernel` (the Triton LSE + forward passes, the Mosaic
+GPU one-pass kernel), each first checked against the XLA path (output, and q, k, v gradients
+through the shared backward, which reads the forward's LSE).
 """
 
 import argparse
@@ -75,6 +80,67 @@ def msa_functions(name: str, module, **kwargs) -> dict:
             f"{name} fwd+bwd": train}  # fmt: skip
 
 
+def attention_functions(kernels: list[str]) -> dict:
+    """The sparse attention forward without a student, on `blocks` selected beforehand, per
+    forward kernel: the kernels' own work, without the selection's."""
+
+    def forward_of(kernel: str):
+        config = pallas.Config(forward_kernel=kernel)
+
+        def forward(q, k, v, blocks, segment_ids, positions, **_):
+            return pallas.sparse_attention(q, k, v, blocks, segment_ids, positions,
+                                           block_size=BLOCK, config=config)[0]  # fmt: skip
+
+        return forward
+
+    return {f"pallas[{kernel}] attn": forward_of(kernel) for kernel in kernels}
+
+
+def with_blocks(inputs: dict) -> dict:
+    """`inputs` and the Pallas selection of their blocks (the `attn` variants' input)."""
+    blocks = jax.jit(lambda x: pallas.top_blocks(x["index_q"], x["index_k"], x["segment_ids"],
+                                                 x["positions"], **MSA))(inputs)  # fmt: skip
+    return {**inputs, "blocks": blocks}
+
+
+def compare_attention(kernels: list[str], seq: int = 8192 + 77, documents: int = 2) -> list:
+    """Each forward kernel's output and q, k, v gradients (no student) in bfloat16 vs the XLA path
+    in float32, relative errors; the XLA path's own bfloat16 errors for scale."""
+    x = with_blocks(make_inputs(seq, seed=seq + documents, documents=documents))
+    x32 = {name: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for name, a in x.items()}
+    weights = jax.random.normal(jax.random.key(1), x["q"].shape, jnp.float32)
+
+    def values_and_grads(module, x, **kwargs):
+        def loss(q, k, v):
+            rows = (x["blocks"], x["segment_ids"], x["positions"])
+            out, _ = module.sparse_attention(q, k, v, *rows, block_size=BLOCK, **kwargs)
+            return (out.astype(jnp.float32) * weights).sum(), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, range(3), has_aux=True))(
+            x["q"], x["k"], x["v"]
+        )
+        return (out, *grads)
+
+    names = ("out", "dq", "dk", "dv")
+    expected = values_and_grads(xla, x32)
+    xla_errors = {f"xla_{n}": relative(g, e)
+                  for n, g, e in zip(names, values_and_grads(xla, x), expected)}  # fmt: skip
+    checks = []
+    for kernel in kernels:
+        poison_memory()
+        try:
+            got = values_and_grads(pallas, x, config=pallas.Config(forward_kernel=kernel))
+            check = {"forward_kernel": kernel, "seq": seq, "documents": documents,
+                     "all_finite": all(bool(jnp.isfinite(a).all()) for a in got),
+                     **{n: relative(g, e) for n, g, e in zip(names, got, expected)},
+                     **xla_errors}  # fmt: skip
+        except Exception as e:  # a kernel that does not compile: report, keep going
+            check = {"forward_kernel": kernel, "seq": seq, "error": str(e).splitlines()[0][:300]}
+        checks.append(check)
+        print("check:", json.dumps(check), flush=True)
+    return checks
+
+
 def cudnn_functions() -> dict:
     def cudnn(q, k, v, **_):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -95,7 +161,7 @@ def flops(variant: str, seq: int) -> float:
     phase = variant.split()[-1]
     if variant.startswith("cudnn"):
         return dense if phase == "fwd" else 3.5 * dense  # backward ≈ 2.5× forward (FA2 convention)
-    return {"select": indexer, "fwd": indexer + sparse + student,
+    return {"select": indexer, "attn": sparse, "fwd": indexer + sparse + student,
             "fwd+bwd": indexer + 3.5 * sparse + 3 * student}[phase]  # fmt: skip
 
 
@@ -199,11 +265,11 @@ def parse_tiling(text: str) -> pallas.Config:
 
 
 def wanted(variant: str, phases: list[str]) -> bool:
-    """Whether to time `variant` for these phases (cuDNN's forward is the baseline of both the
-    selection and the forward)."""
+    """Whether to time `variant` for these phases (cuDNN's forward is the baseline of the
+    selection, the forward and the attention forward alone)."""
     phase = variant.split()[-1]
     if variant == "cudnn fwd":
-        return "fwd" in phases or "select" in phases
+        return bool({"fwd", "select", "attn"} & set(phases))
     return phase in phases
 
 
@@ -217,14 +283,21 @@ def main() -> None:
         "--phases", nargs="+", default=["select", "fwd", "fwd+bwd"],
         help="time only these phases (e.g. fwd at 1M, where cuDNN's fwd+bwd takes minutes)",
     )  # fmt: skip
+    parser.add_argument(
+        "--forward-kernels", nargs="*", default=[], choices=["triton", "mosaic"],
+        help="also time the attention forward alone (phase attn, no student) per forward kernel",
+    )  # fmt: skip
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", help="profile the kernels' fwd+bwd at the last length here")
     parser.add_argument("--output", help="also write the markdown section here")
     args = parser.parse_args()
 
     configs = {text or "default": parse_tiling(text) for text in args.tilings}
+    phases = args.phases + (["attn"] if args.forward_kernels and "attn" not in args.phases else [])
     checks = []
-    if not args.skip_check:
+    if args.forward_kernels and not args.skip_check:
+        checks += compare_attention(args.forward_kernels)
+    if not args.skip_check and set(phases) - {"attn"}:
         for text, config in list(configs.items())[:1]:  # the first tiling
             for expected, seq, dtype, documents in ((reference, 2000, jnp.bfloat16, 2),
                                                     (xla, 8192 + 77, jnp.bfloat16, 2)):  # fmt: skip
@@ -238,18 +311,21 @@ def main() -> None:
     rows, table = [], []
     for seq in args.lengths:
         inputs = make_inputs(seq)
+        blocked = with_blocks(inputs) if "attn" in phases else inputs  # the attn variants' inputs
         variants = dict(cudnn_functions())
         if seq <= args.xla_up_to:
             variants.update(msa_functions("xla", xla))
         for text, config in configs.items():
             name = "pallas" if len(configs) == 1 else f"pallas[{text}]"
             variants.update(msa_functions(name, pallas, config=config))
+        variants.update(attention_functions(args.forward_kernels))
         baseline = {}
         for variant, fn in variants.items():
-            if not wanted(variant, args.phases):
+            if not wanted(variant, phases):
                 continue
             try:
-                seconds, used = time_variant(fn, inputs, args.repeats)
+                x = blocked if variant.endswith(" attn") else inputs
+                seconds, used = time_variant(fn, x, args.repeats)
             except Exception as e:  # e.g. out of memory: record it, keep going
                 message = str(e).splitlines()[0][:300]
                 print(f"{variant} @ {seq}: failed: {message}", flush=True)
@@ -258,7 +334,8 @@ def main() -> None:
             phase = variant.split()[-1]
             if variant.startswith("cudnn"):
                 baseline[phase] = seconds
-            ratio = baseline.get("fwd" if phase == "select" else phase, float("nan")) / seconds
+            base = "fwd" if phase in ("select", "attn") else phase
+            ratio = baseline.get(base, float("nan")) / seconds
             row = {
                 "variant": variant,
                 "seq": seq,

@@ -205,11 +205,12 @@ def teacher(geo: Geometry, probs):
     return repeated.reshape(geo.chunk_queries * geo.repeat, keys)
 
 
-def for_each_segment(lists, body, parts=1):
+def for_each_segment(lists, body, parts=1, grid=None):
     """Persistent loop over (segment, part) items: program p takes items p, p + P, ... of
-    num_segments · parts, calling body(segment, part)."""
+    num_segments · parts, calling body(segment, part). grid: (p, P), where the kernel's own
+    program ids are not Pallas' (Mosaic GPU's named axes); Pallas' by default."""
     items = lists[4][0] * parts
-    program, programs = pl.program_id(0), pl.num_programs(0)
+    program, programs = grid or (pl.program_id(0), pl.num_programs(0))
     trips = jnp.maximum(items - program + programs - 1, 0) // programs
 
     def step(n, carry):

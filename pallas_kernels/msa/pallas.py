@@ -5,13 +5,17 @@
 - `sparse_attention`: key-block-major kernels (forward_kernels.py, backward_kernel.py, chunks.py)
   over the selection inverted
   by one sort (block_lists.py), forward and backward, with the indexer's KL and its gradients into
-  the index projections; a custom VJP ties them together. Queries go in windows of at most
-  `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
+  the index projections; a custom VJP ties them together. `Config.forward_kernel="mosaic"` runs
+  the forward without a student in one Mosaic GPU kernel instead (mosaic_forward.py); with a
+  student (the indexer's KL) the forward stays on the Triton kernels, and the backward is the
+  Triton one either way (both forwards leave it the same LSE residual). Queries go in windows of
+  at most `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
 
-The kernels are written for the Triton lowering of Pallas (a stepping stone towards Mosaic GPU;
-spec/msa.md §4). On a machine without a GPU they run in Pallas' interpreter (`interpret=None`
-picks that), which is how the CPU tests check them against the reference.
+The other kernels are written for the Triton lowering of Pallas (a stepping stone towards Mosaic
+GPU; spec/msa.md §4). On a machine without a GPU they run in Pallas' interpreter (`interpret=None`
+picks that; the Mosaic kernel in Mosaic GPU's), which is how the CPU tests check them against the
+reference.
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi), G = H // K, Dh head dim, Di index
 head dim, k selected blocks per query, W queries per window, E = B·W·K·k selection entries.
@@ -28,6 +32,7 @@ from pallas_kernels.msa import (
     block_lists,
     chunks,
     forward_kernels,
+    mosaic_forward,
     selection_kernel,
 )
 from pallas_kernels.msa.reference import Student
@@ -51,6 +56,13 @@ class Config:
     )
     selection: selection_kernel.Tiling = selection_kernel.Tiling()
     partial_bytes: int = 4 << 30  # memory for the per-entry output shares of one window
+    # "triton": LSE pass + forward pass; "mosaic": one Mosaic GPU kernel (without a student only)
+    forward_kernel: str = "triton"
+    mosaic: mosaic_forward.Tiling = mosaic_forward.Tiling()
+
+    def uses_mosaic(self, with_student: bool) -> bool:
+        """Whether the forward runs the Mosaic kernel: it has no indexer KL (student) yet."""
+        return self.forward_kernel == "mosaic" and not with_student
 
 
 def _power_of_two(n: int) -> bool:
@@ -67,8 +79,18 @@ def unsupported_reason(
     interpret: bool | None = None,
 ) -> str:
     """Why the kernels can't run a layer with these operands ('' when they can). Dtypes and tile
-    sizes (powers of two >= 16) bind the compiled kernels only; the interpreter takes any."""
+    sizes (powers of two >= 16) bind the compiled Triton kernels only; the interpreter takes any.
+    The Mosaic forward's limits bind always (its interpreter checks tiles and copies too).
+    `index_q` is q itself without a student."""
     group, index_heads = q.shape[2] // k.shape[2], index_q.shape[2]
+    if config.forward_kernel not in ("triton", "mosaic"):
+        return f"forward_kernel={config.forward_kernel!r} is not 'triton' or 'mosaic'"
+    if config.uses_mosaic(index_q is not q):
+        reason = mosaic_forward.unsupported_reason(
+            q.dtype, group, q.shape[3], block_size, config.mosaic
+        )
+        if reason:
+            return f"Mosaic forward: {reason}"
     for rows in (config.forward.rows, config.backward.rows):
         if rows % group or (rows // group) & (rows // group - 1):
             return (
@@ -142,6 +164,7 @@ def sparse_attention(
     # per-entry shares of a window: the output's (forward), key_split copies of dq's (backward)
     copies = max(1, config.backward.key_split)
     per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize * copies
+    forward_tiling = config.mosaic if config.uses_mosaic(student is not None) else config.forward
     forward_geo, backward_geo = (
         chunks.Geometry(
             batch=batch,
@@ -155,7 +178,7 @@ def sparse_attention(
             block_size=block_size,
             chunk_queries=tiling.chunk_queries(num_heads // num_kv_heads),
         )  # fmt: skip
-        for tiling in (config.forward, config.backward)
+        for tiling in (forward_tiling, config.backward)
     )
     attention = _attention(forward_geo, backward_geo, config, _interpret(interpret),
                            student is not None)  # fmt: skip
@@ -190,6 +213,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     geometries differ only in their chunks' queries)."""
     kernels = dict(interpret=interpret)
     geo = forward_geo
+    mosaic = config.uses_mosaic(with_student)
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
 
     def lists_of(geo, tiling, blocks, positions, offset):
@@ -201,6 +225,18 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     def by_slot(per_entry, lists, valid, fill):  # -> [B, W, K, k, ...], `fill` where invalid
         values = block_lists.by_selection(per_entry, lists, selection_shape)
         return jnp.where(valid.reshape(*selection_shape, *[1] * (values.ndim - 4)), values, fill)
+
+    def mosaic_window(keys, segment_ids, window):
+        """The one-kernel forward of a window (no student): presort, kernel, combine."""
+        geo, tiling = forward_geo, config.mosaic
+        q, _, blocks, positions, offset = window
+        lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
+        table = mosaic_forward.segment_table(geo, lists, tiling.segment_chunks)
+        q_rows, row_data = mosaic_forward.presort(geo, lists, q, segment_ids, offset)
+        o, lse_e = mosaic_forward.forward(geo, tiling, table, lists.num_segments, lists.entries,
+                                          q_rows, row_data, *keys, **kernels)  # fmt: skip
+        out, lse = mosaic_forward.combine(geo, lists, valid, o, lse_e)
+        return out.astype(q.dtype), None, lse, None
 
     def forward_window(k, v, index_k, segments, window):
         geo, tiling = forward_geo, config.forward
@@ -234,9 +270,19 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             windows.split(positions),
             windows.offsets,
         )
-        out, kl, lse, lse_z = jax.lax.map(
-            lambda window: forward_window(k, v, index_k, segments, window), xs
-        )
+        if mosaic:
+            keys = (
+                mosaic_forward.shifted_keys(k, geo.block_size),
+                mosaic_forward.shifted_keys(v, geo.block_size),
+                mosaic_forward.shifted_keys(segment_ids.astype(jnp.int32), geo.block_size),
+            )
+            out, kl, lse, lse_z = jax.lax.map(
+                lambda window: mosaic_window(keys, segment_ids, window), xs
+            )
+        else:
+            out, kl, lse, lse_z = jax.lax.map(
+                lambda window: forward_window(k, v, index_k, segments, window), xs
+            )
         out, kl = windows.join(out), kl if kl is None else windows.join(kl)
         out, lse, lse_z = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
                            for x in (out, lse, lse_z))  # fmt: skip

@@ -1,0 +1,133 @@
+"""The Mosaic GPU MSA forward (`Config.forward_kernel="mosaic"`, no student), run by Mosaic GPU's
+interpreter on CPU, against the O(S²) reference; its LSE residual through the shared Triton
+backward; its lowering for CUDA, which needs no GPU.
+
+Random bf16 inputs: row 0 packs a document of 150 slots and one of 147 starting mid-block, then 3
+padding slots; row 1 is one document; S = 300 is not a multiple of the 128-key block; early
+queries have fewer than k valid blocks (-1). Segments of two chunks, so long block lists go on in
+later segments and many chunks are a list's partial last one (stored query by query).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.msa import mosaic_forward, pallas, reference
+
+BLOCK = 128
+# bf16 inputs and output: the reference runs in float32 on the same (rounded) inputs
+OUT_TOLERANCE = 2e-2  # about two bf16 ulps at the outputs' magnitude (≤ 2)
+GRAD_RELATIVE = 2e-2
+
+
+def inputs(group: int, kv_heads: int, seq: int = 300, batch: int = 2, head_dim: int = 64):
+    keys = jax.random.split(jax.random.key(group), 5)
+    bf16 = lambda key, shape: jax.random.normal(key, shape).astype(jnp.bfloat16)  # noqa: E731
+    q = bf16(keys[0], (batch, seq, group * kv_heads, head_dim))
+    k, v = (bf16(key, (batch, seq, kv_heads, head_dim)) for key in keys[1:3])
+    index_q = jax.random.normal(keys[3], (batch, seq, kv_heads, 16))
+    index_k = jax.random.normal(keys[4], (batch, seq, 16))
+    first = 150
+    segments = np.ones((batch, seq), np.int32)
+    segments[0, first:], segments[0, seq - 3 :] = 2, 0
+    positions = np.tile(np.arange(seq), (batch, 1))
+    positions[0, first:] = np.arange(seq - first)
+    positions[0, seq - 3 :] = np.arange(3)
+    segments, positions = jnp.asarray(segments), jnp.asarray(positions)
+    blocks = reference.top_blocks(index_q, index_k, segments, positions, block_size=BLOCK,
+                                  topk_blocks=2, local_blocks=1)  # fmt: skip
+    return q, k, v, blocks, segments, positions
+
+
+def mosaic(segment_chunks: int = 2, stages: int = 2) -> pallas.Config:
+    tiling = mosaic_forward.Tiling(segment_chunks=segment_chunks, stages=stages)
+    return pallas.Config(forward_kernel="mosaic", mosaic=tiling)
+
+
+def as_f32(x):
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+@pytest.mark.parametrize("group, kv_heads, stages", [(4, 2, 2), (16, 1, 3)])
+def test_forward_matches_reference(group, kv_heads, stages):
+    """G = 4 (entries padded to 8 rows, 8 queries a chunk) and G = 16 (4 queries a chunk); rows
+    R = 64, the one size the kernel takes (128 would not fit one warpgroup's registers)."""
+    q, k, v, blocks, segments, positions = args = inputs(group, kv_heads)
+    assert (np.asarray(blocks) == -1).any() and (np.asarray(blocks) >= 0).any()
+    out, none = pallas.sparse_attention(*args, block_size=BLOCK, config=mosaic(stages=stages),
+                                        interpret=True)  # fmt: skip
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    expected, _ = reference.sparse_attention(*f32, blocks, segments, positions, block_size=BLOCK)
+    assert none is None and out.dtype == q.dtype and out.shape == q.shape
+    np.testing.assert_allclose(as_f32(out), as_f32(expected), atol=OUT_TOLERANCE)
+    # the first padding slot of row 0 sees itself only: its output is its own value row
+    own_values = np.repeat(as_f32(v[0, -3]), group, axis=0)
+    np.testing.assert_allclose(as_f32(out[0, -3]), own_values, atol=OUT_TOLERANCE)
+
+
+@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
+def test_gradients_equal_the_triton_forwards(group, kv_heads):
+    """The backward is shared: equal gradients mean the Mosaic forward's LSE residual is the
+    per-(query, head) logsumexp the Triton forward leaves it (Q rows gathered by XLA for G = 4,
+    copied per entry by the kernel for G = 16)."""
+    q, k, v, blocks, segments, positions = inputs(group, kv_heads, seq=200, batch=1)
+    weights = jax.random.normal(jax.random.key(7), q.shape)
+
+    def grads(config):
+        def loss(q, k, v):
+            out, _ = pallas.sparse_attention(
+                q,
+                k,
+                v,
+                blocks,
+                segments,
+                positions,
+                block_size=BLOCK,
+                config=config,
+                interpret=True,
+            )
+            return (out.astype(jnp.float32) * weights).sum()  # fmt: skip
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for got, expected in zip(grads(mosaic()), grads(pallas.Config())):
+        got, expected = as_f32(got), as_f32(expected)
+        assert np.linalg.norm(got - expected) <= GRAD_RELATIVE * np.linalg.norm(expected)
+
+
+def test_lowers_for_cuda_without_a_gpu():
+    """Mosaic GPU's lowering (layout inference, TMA and tile constraints) runs on CPU."""
+    struct = jax.ShapeDtypeStruct
+    q = struct((1, 512, 32, 128), jnp.bfloat16)
+    kv = struct((1, 512, 2, 128), jnp.bfloat16)
+    blocks = struct((1, 512, 2, 4), jnp.int32)
+    rows = struct((1, 512), jnp.int32)
+
+    def forward(q, k, v, blocks, segments, positions):
+        return pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
+                                       config=mosaic(16), interpret=False)[0]  # fmt: skip
+
+    lowered = jax.jit(forward).trace(q, kv, kv, blocks, rows, rows)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_unsupported_reason_names_the_mosaic_limits():
+    q, k, _, _, _, _ = inputs(4, 2, seq=8, batch=1)
+    reason = lambda q, k, **kw: pallas.unsupported_reason(  # noqa: E731
+        q, k, q, **{"block_size": BLOCK, "config": mosaic(), "interpret": True, **kw}
+    )
+    assert reason(q, k) == ""
+    assert "float32" in reason(q.astype(jnp.float32), k)
+    assert "head_dim=48" in reason(q[..., :48], k[..., :48])
+    assert "block_size=64" in reason(q, k, block_size=64)
+    wide_heads = jnp.tile(q, (1, 1, 1, 4))  # Dh = 256: K, V, Q ring, P, O over 227 KiB
+    assert "shared memory" in reason(wide_heads, jnp.tile(k, (1, 1, 1, 4)))
+    wide = pallas.Config(forward_kernel="mosaic", mosaic=mosaic_forward.Tiling(rows=128))
+    assert "rows=128" in reason(q, k, config=wide)
+    assert "forward_kernel='cuda'" in reason(q, k, config=pallas.Config(forward_kernel="cuda"))
+    # with a student the forward stays on the Triton kernels: the Mosaic limits do not apply
+    student_q = q[..., :16].astype(jnp.float32)
+    assert pallas.unsupported_reason(q.astype(jnp.float32), k, student_q, block_size=BLOCK,
+                                     config=mosaic(), interpret=True) == ""  # fmt: skip
