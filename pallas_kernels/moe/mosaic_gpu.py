@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.tiles import TileLayout
+from pallas_kernels.mosaic_smem import swizzled
 from pallas_kernels.shard_map import vary_like
 
 BLOCK_M = 128  # rows per tile: the layout's granularity and the wgmma M of one warpgroup
@@ -54,13 +55,6 @@ def unsupported_reason(x_dtype, in_width: int, out_width: int, tiling: Tiling = 
     return ""
 
 
-def _smem_transforms(minor: int, dtype) -> tuple:
-    """Swizzled TMA/wgmma shared-memory tiling for blocks whose last dimension is `minor`."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(minor * bits)
-    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
-
-
 def _num_programs(tiling: Tiling, output_tiles: int) -> int:
     """One program per SM (a few under CPU interpret mode), or per output tile (not persistent).
     The kernels' loops over output tiles split them evenly over however many programs run."""
@@ -79,7 +73,7 @@ def _store(acc: jax.Array, out_gmem_block) -> None:
         plgpu.copy_smem_to_gmem(out_smem, out_gmem_block)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    transforms = _smem_transforms(acc.shape[1], out_gmem_block.dtype)
+    transforms = swizzled(acc.shape[1], out_gmem_block.dtype)
     pl.run_scoped(scope, plgpu.SMEM(acc.shape, out_gmem_block.dtype, transforms=transforms))
 
 
@@ -107,7 +101,7 @@ def tile_matmul(
     if padded != tiles * BLOCK_M or k % bk or n % bn:
         raise ValueError(f"tile_matmul: x {x.shape}, w {w.shape}, {tiles} tiles, {tiling}")
     n_blocks = n // bn
-    x_spec_transforms = _smem_transforms(bk, x.dtype)
+    x_spec_transforms = swizzled(bk, x.dtype)
     w_block = (bn, bk) if transpose_w else (bk, bn)
 
     def tile_matmul_kernel(tile_expert_gmem, x_gmem, w_gmem, out_gmem):
@@ -135,7 +129,7 @@ def tile_matmul(
                             plgpu.BlockSpec(
                                 w_block,
                                 (lambda kk: (ni, kk)) if transpose_w else (lambda kk: (kk, ni)),
-                                transforms=_smem_transforms(w_block[1], w.dtype),
+                                transforms=swizzled(w_block[1], w.dtype),
                                 delay_release=1,
                             ),
                         ],
@@ -196,13 +190,13 @@ def expert_gram(
                         plgpu.BlockSpec(
                             (BLOCK_M, bk_out),
                             lambda j: (first + j, ki),
-                            transforms=_smem_transforms(bk_out, x.dtype),
+                            transforms=swizzled(bk_out, x.dtype),
                             delay_release=1,
                         ),
                         plgpu.BlockSpec(
                             (BLOCK_M, bn),
                             lambda j: (first + j, ni),
-                            transforms=_smem_transforms(bn, dy.dtype),
+                            transforms=swizzled(bn, dy.dtype),
                             delay_release=1,
                         ),
                     ],

@@ -56,8 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-# the swizzled TMA / wgmma tiling of the project's other Mosaic GPU kernel (one home for it)
-from pallas_kernels.moe.mosaic_gpu import _smem_transforms as _swizzled
+from pallas_kernels.mosaic_smem import swizzled
 from pallas_kernels.msa import block_lists, chunks
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -384,13 +383,13 @@ def forward(
 
     out_rows = geo.entries * group
     scratch = (
-        plgpu.SMEM((size, dim), dtype, transforms=_swizzled(dim, dtype)),
-        plgpu.SMEM((size, dim), dtype, transforms=_swizzled(dim, dtype)),
+        plgpu.SMEM((size, dim), dtype, transforms=swizzled(dim, dtype)),
+        plgpu.SMEM((size, dim), dtype, transforms=swizzled(dim, dtype)),
         plgpu.SMEM((size,), jnp.int32),
-        plgpu.SMEM((stages, rows, dim), dtype, transforms=_swizzled(dim, dtype)),
+        plgpu.SMEM((stages, rows, dim), dtype, transforms=swizzled(dim, dtype)),
         plgpu.SMEM((stages, 2, rows), jnp.int32),
-        plgpu.SMEM((rows, size), dtype, transforms=_swizzled(size, dtype)),
-        plgpu.SMEM((rows, dim), dtype, transforms=_swizzled(dim, dtype)),
+        plgpu.SMEM((rows, size), dtype, transforms=swizzled(size, dtype)),
+        plgpu.SMEM((rows, dim), dtype, transforms=swizzled(dim, dtype)),
         plgpu.SMEM((rows,), jnp.float32),
         plgpu.Barrier(num_barriers=3),
         plgpu.Barrier(num_arrivals=queries if direct else 1, num_barriers=stages),
