@@ -17,15 +17,20 @@ from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.train_step import init_state, make_loss_fn, make_train_step
 
 
-def random_batch(seed=0, batch=2, seq=32, vocab=263) -> Batch:
-    tokens = jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, vocab)
+def one_document_rows(tokens: jax.Array) -> Batch:
+    """tokens [B, S + 1] -> rows of one document each: inputs, next tokens, loss everywhere."""
+    rows, seq = tokens.shape[0], tokens.shape[1] - 1
     return make_batch(
         tokens=tokens[:, :-1],
         targets=tokens[:, 1:],
-        positions=jnp.tile(jnp.arange(seq), (batch, 1)),
-        segment_ids=jnp.ones((batch, seq), jnp.int32),
-        loss_mask=jnp.ones((batch, seq), jnp.float32),
+        positions=jnp.tile(jnp.arange(seq), (rows, 1)),
+        segment_ids=jnp.ones((rows, seq), jnp.int32),
+        loss_mask=jnp.ones((rows, seq), jnp.float32),
     )
+
+
+def random_batch(seed=0, batch=2, seq=32, vocab=263) -> Batch:
+    return one_document_rows(jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, vocab))
 
 
 def model_inputs(batch: Batch) -> tuple:
