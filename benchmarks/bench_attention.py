@@ -30,7 +30,7 @@ from pallas_kernels.attention import cudnn, xla
 
 def packed_row_segments(batch: int, seq: int, mean: int, seed: int = 0) -> jax.Array:
     """bench_train's packed rows: documents of exponential lengths (mean `mean`)."""
-    return synthetic_batch(batch, seq, vocab=2, seed=seed, mean_document=mean)["segment_ids"]
+    return synthetic_batch(batch, seq, vocab=2, seed=seed, mean_document=mean).segment_ids
 
 
 def useful_flops(segments: np.ndarray, heads: int, head_dim: int, causal: bool) -> float:

@@ -71,8 +71,8 @@ def run_epoch(path, processor, *, seq_len, patch_budget, batch_size, workers) ->
     first = None  # time and tokens at the first batch: worker start-up is left out
     tokens = rows = 0
     for batch in loader:
-        tokens += int((batch["segment_ids"] > 0).sum())
-        rows += batch["tokens"].shape[0]
+        tokens += int((batch.segment_ids > 0).sum())
+        rows += batch.tokens.shape[0]
         if first is None:
             first = (time.perf_counter(), tokens, time.process_time())
     end, cpu_end = time.perf_counter(), time.process_time()

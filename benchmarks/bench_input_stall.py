@@ -58,6 +58,7 @@ import time
 
 import jax
 
+from batch_format.batch import Batch
 from data.mm_documents import DataError
 from m3jax import xla_flags
 from m3jax.config_loading import ConfigError
@@ -153,7 +154,7 @@ def measure(
     return report
 
 
-def pipeline_alone(loader, batches: int) -> tuple[dict, dict]:
+def pipeline_alone(loader, batches: int) -> tuple[dict, Batch]:
     """Reads `batches` batches after the first with nothing else running; returns the rates and
     the first batch (the fixed batch of the step-alone timing)."""
     start = time.perf_counter()
@@ -164,7 +165,7 @@ def pipeline_alone(loader, batches: int) -> tuple[dict, dict]:
     for i in range(batches):
         batch = next(loader)
         times.append(time.perf_counter())
-        tokens.append(int((batch["segment_ids"] > 0).sum()))
+        tokens.append(int((batch.segment_ids > 0).sum()))
         if (i + 1) % max(1, batches // 4) == 0:
             _log(f"pipeline alone: {i + 1}/{batches} batches, {times[-1] - times[0]:.1f} s")
     loader.close()
@@ -178,11 +179,11 @@ def pipeline_alone(loader, batches: int) -> tuple[dict, dict]:
         "seconds": seconds,
         "batches_per_s": (batches - half) / seconds,
         "tokens_per_s": sum(tokens[half:]) / seconds,
-        "batch_mb": sum(v.nbytes for v in first.values()) / 1e6,
+        "batch_mb": sum(x.nbytes for x in jax.tree.leaves(first)) / 1e6,
     }, first
 
 
-def step_alone(session: TrainingSession, batch: dict, mode, steps: int) -> dict:
+def step_alone(session: TrainingSession, batch: Batch, mode, steps: int) -> dict:
     """The jitted step on one batch already on the device: compile, warm-up, median of `steps`."""
     on_device = jax.block_until_ready(session.put_batch(batch))
     start = time.perf_counter()
@@ -208,7 +209,7 @@ def step_alone(session: TrainingSession, batch: dict, mode, steps: int) -> dict:
         "step_s_min": min(times),
         "step_s_max": max(times),
         "put_batch_s": statistics.median(copies),
-        "tokens_per_s": batch["tokens"].size * jax.process_count() / statistics.median(times),
+        "tokens_per_s": batch.tokens.size * jax.process_count() / statistics.median(times),
     }
 
 

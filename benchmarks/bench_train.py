@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from batch_format.batch import Batch, make_batch
 from benchmarks import trace_summary
 from m3jax import xla_flags
 from m3jax.attention import ForwardMode
@@ -33,7 +34,9 @@ from pretrain.train_step import init_state, make_train_step
 TRAIN = ForwardMode(indexer_loss=True)
 
 
-def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, mean_document: int = 1500):
+def synthetic_batch(
+    batch: int, seq: int, vocab: int, seed: int = 0, mean_document: int = 1500
+) -> Batch:
     """Packed rows: documents of exponential lengths (mean `mean_document`), positions from 0;
     one document a row when `mean_document` >= `seq`."""
     rng = np.random.default_rng(seed)
@@ -48,13 +51,13 @@ def synthetic_batch(batch: int, seq: int, vocab: int, seed: int = 0, mean_docume
             positions[row, start : start + length] = np.arange(length)
             start, document = start + length, document + 1
     tokens = rng.integers(0, vocab, (batch, seq + 1), dtype=np.int32)
-    return {
-        "tokens": jnp.asarray(tokens[:, :-1]),
-        "targets": jnp.asarray(tokens[:, 1:]),
-        "positions": jnp.asarray(positions),
-        "segment_ids": jnp.asarray(segments),
-        "loss_mask": jnp.ones((batch, seq), jnp.float32),
-    }
+    return make_batch(
+        tokens=jnp.asarray(tokens[:, :-1]),
+        targets=jnp.asarray(tokens[:, 1:]),
+        positions=jnp.asarray(positions),
+        segment_ids=jnp.asarray(segments),
+        loss_mask=jnp.ones((batch, seq), jnp.float32),
+    )
 
 
 def time_variant(

@@ -21,15 +21,9 @@ Bad records are skipped (counted by reason: `skip_counts()`) or stop the run (`o
 than `max_consecutive_skips` unusable documents in a row, or a whole epoch of them, raise
 DataError (data/packing.py). `provenance()` names the records of the last batch.
 
-Batch arrays (B = batch_size, S = seq_len, P = patch_budget, D = 3·2·14·14 = 1176):
-  tokens, targets, segment_ids, positions  int32 [B, S]   (segment 0 = padding)
-  loss_mask        float32 [B, S]  1 where the target is text (not padding, image/video
-                                   placeholders or vision start/end tokens)
-  modality         int8 [B, S]     0 text, 1 image, 2 video (of the input token)
-  feature_index    int32 [B, S]    placeholder -> its merged feature row (patches 4r..4r+3 of
-                                   the row), -1 elsewhere
-  patches          float32 [B, P, D];  patch_positions int32 [B, P, 3] (ViT t, h, w ids)
-  patch_segment_ids int32 [B, P]   one id per image / video chunk in the row, 0 = padding
+Batches are `batch_format.batch.Batch`es (B = batch_size, S = seq_len, P = patch_budget) with
+both optional parts: `modality`, and `vision` (empty, P = 0, under patch_budget 0). loss_mask is 1
+where the target is text (not padding, image/video placeholders or vision start/end tokens).
 """
 
 import dataclasses
@@ -42,6 +36,7 @@ from collections.abc import Callable, Sequence
 import grain
 import numpy as np
 
+from batch_format.batch import Batch, VisionBatch, make_batch
 from batch_format.modality import IMAGE, TEXT, VIDEO
 from data.mm_documents import SKIP_REASONS, DocumentProcessor
 from data.packing import PackIterDataset
@@ -169,20 +164,15 @@ class MultimodalLoader:
     def __iter__(self) -> "MultimodalLoader":
         return self
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        batch = dict(next(self._iterator))
-        counts = batch.pop("document_counts").sum(axis=0)
+    def __next__(self) -> Batch:
+        rows = dict(next(self._iterator))
+        counts = rows.pop("document_counts").sum(axis=0)
         self.documents_read += int(counts[0])
         for reason, count in zip(SKIP_REASONS, counts[1:]):
             self.skipped_by_reason[reason] += int(count)
-        self._last_records = _distinct_records(batch.pop("doc_source"), batch.pop("doc_record"))
-        if "patches" not in batch:  # patch_budget 0: the packer leaves out empty vision arrays
-            rows = batch["tokens"].shape[0]
-            batch["patches"] = np.zeros((rows, 0, self.patch_dim), np.float32)
-            batch["patch_positions"] = np.zeros((rows, 0, 3), np.int32)
-            batch["patch_segment_ids"] = np.zeros((rows, 0), np.int32)
+        self._last_records = _distinct_records(rows.pop("doc_source"), rows.pop("doc_record"))
         self.batches += 1
-        return batch
+        return _as_batch(rows, self.patch_dim)
 
     @property
     def skipped_documents(self) -> int:
@@ -235,10 +225,9 @@ class MultimodalLoader:
             close()
 
 
-def modality_counts(batch: dict[str, np.ndarray]) -> dict[str, int]:
+def modality_counts(batch: Batch) -> dict[str, int]:
     """Tokens per modality in a batch (padding excluded), for per-modality metrics."""
-    used = batch["segment_ids"] > 0
-    modality = batch["modality"][used]
+    modality = batch.modality[batch.segment_ids > 0]
     return {
         "text_tokens": int((modality == TEXT).sum()),
         "image_tokens": int((modality == IMAGE).sum()),
@@ -274,6 +263,20 @@ class _LockedShardSet:
 
     def where(self, record: int) -> str:
         return self._shards.where(record)
+
+
+def _as_batch(rows: dict[str, np.ndarray], patch_dim: int) -> Batch:
+    """The packer's batched row arrays (data/packing.py) -> a Batch. Under patch_budget 0 the rows
+    carry no patch arrays (Grain's shared memory cannot hold empty ones): they become [B, 0, ...]."""
+    count = len(rows["tokens"])
+    empty = {
+        "patches": np.zeros((count, 0, patch_dim), np.float32),
+        "patch_positions": np.zeros((count, 0, 3), np.int32),
+        "patch_segment_ids": np.zeros((count, 0), np.int32),
+    }
+    rows = {**empty, **rows}
+    vision = VisionBatch(**{name: rows.pop(name) for name in VisionBatch._fields})
+    return make_batch(**rows, vision=vision)
 
 
 def _distinct_records(source: np.ndarray, record: np.ndarray) -> list[tuple[int, int]]:

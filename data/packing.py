@@ -16,12 +16,12 @@ Unusable documents (`Skipped`) are counted by reason; more than `max_consecutive
 a row, or as many in a row as one epoch holds, raise DataError: a data set with nothing usable left
 stops the run instead of being skipped through forever.
 
-Row arrays (S = seq_len, P = patch_budget, D = patch features, R = len(SKIP_REASONS)):
-  tokens, targets, segment_ids, positions, feature_index [S] int32; loss_mask [S] float32;
-  modality [S] int8; patches [P, D] float32; patch_positions [P, 3] int32;
-  patch_segment_ids [P] int32; doc_source, doc_record [S] int32: the document of each token
-  (its `Document.origin`, -1 on padding); document_counts [1 + R] int32: documents read, then
-  skipped by reason, while filling this row's window (on the window's first row only).
+Rows are dicts of arrays (what Grain batches and passes between processes), one per field of
+`batch_format.batch.Batch` and its `VisionBatch` (their shapes without B; the patch arrays are left
+out under patch_budget 0), which data/mm_loader.py builds from them, and the row's bookkeeping
+(S = seq_len, R = len(SKIP_REASONS)): doc_source, doc_record [S] int32: the document of each token
+(its `Document.origin`, -1 on padding); document_counts [1 + R] int32: documents read, then
+skipped by reason, while filling this row's window (on the window's first row only).
 """
 
 import copy

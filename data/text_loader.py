@@ -16,11 +16,9 @@ Several processes: each loads only its block of every global batch (`shard_index
 `shard_count` equal blocks of consecutive rows), and counts the global batch's rows, so every
 process's state is the same and a run resumes on any number of processes.
 
-Batch arrays, all [B, S] (B = batch_size / shard_count, S = seq_len):
-  tokens, targets  int32  input ids and next-token ids
-  segment_ids      int32  1, 2, 3, ... per document piece within a row (0 = padding, never here)
-  positions        int32  index within the segment
-  loss_mask        float32  1.0 everywhere (other loaders pad)
+Batches are `batch_format.batch.Batch`es of [B, S] arrays (B = batch_size / shard_count,
+S = seq_len) without the optional parts (modality and vision are None): segment ids are never 0
+(nothing is padded) and loss_mask is 1.0 everywhere.
 """
 
 import hashlib
@@ -28,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from batch_format.batch import Batch, make_batch
 from data.provenance import describe
 from data.text_corpus import Document
 from data.tokenizer import ByteTokenizer
@@ -43,7 +42,7 @@ STATE_KEYS = (
 
 
 class PackedTextLoader:
-    """An endless iterator of packed {tokens, targets, segment_ids, positions, loss_mask} batches.
+    """An endless iterator of packed text `Batch`es.
 
     Args:
         documents: the corpus; documents with empty text are dropped.
@@ -109,7 +108,7 @@ class PackedTextLoader:
     def __iter__(self) -> "PackedTextLoader":
         return self
 
-    def __next__(self) -> dict[str, np.ndarray]:
+    def __next__(self) -> Batch:
         first = self._rows_emitted + self._shard_offset
         batch, document = self._rows(first, self._shard_rows)
         self._last_documents = document[np.flatnonzero(np.diff(document, prepend=-1))]
@@ -164,7 +163,7 @@ class PackedTextLoader:
                 )
         self._rows_emitted = rows
 
-    def _rows(self, first_row: int, num_rows: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def _rows(self, first_row: int, num_rows: int) -> tuple[Batch, np.ndarray]:
         """(batch, document of each position) of rows first_row..first_row + num_rows."""
         shape = (num_rows, self.seq_len)
         # Stream offset of every position: g = row * S + column.
@@ -183,13 +182,13 @@ class PackedTextLoader:
         segment_start = np.maximum(doc_start, row_start).reshape(shape)
         is_new = np.zeros(shape, dtype=np.int32)
         is_new[:, 1:] = segment_start[:, 1:] != segment_start[:, :-1]
-        batch = {
-            "tokens": self._tokens[index].reshape(shape),
-            "targets": self._tokens[index + 1].reshape(shape),
-            "segment_ids": (1 + np.cumsum(is_new, axis=1)).astype(np.int32),
-            "positions": (offsets.reshape(shape) - segment_start).astype(np.int32),
-            "loss_mask": np.ones(shape, dtype=np.float32),
-        }
+        batch = make_batch(
+            tokens=self._tokens[index].reshape(shape),
+            targets=self._tokens[index + 1].reshape(shape),
+            segment_ids=(1 + np.cumsum(is_new, axis=1)).astype(np.int32),
+            positions=(offsets.reshape(shape) - segment_start).astype(np.int32),
+            loss_mask=np.ones(shape, dtype=np.float32),
+        )
         return batch, document
 
     def _epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from batch_format.batch import VisionBatch
 from batch_format.vision import grid_positions
 from m3jax.config import VisionConfig
 
@@ -122,20 +123,14 @@ def _checked_media(kind: str, pixels, grid, vision: VisionConfig):
     return kind, pixels, grid
 
 
-def from_packed_rows(
-    patches, patch_positions, patch_segment_ids, feature_index, merge_size: int
-) -> VisionInputs:
-    """Training rows (each with its own patch budget) -> VisionInputs with one patch row per row.
-
-    patches [B, P, patch_dim], patch_positions [B, P, 3], patch_segment_ids [B, P] (1.. per image or
-    video chunk within the row, 0 = padding) and feature_index [B, S] (the row's merged feature row
-    per placeholder, -1 = text), as data.mm_loader produces them. Feature rows are offset to index
-    all rows' merged features in order. Works on NumPy or traced arrays.
-    """
-    batch, budget = patch_segment_ids.shape
+def from_packed_rows(rows: VisionBatch, merge_size: int) -> VisionInputs:
+    """A training batch's vision part (batch_format/batch.py: each row with its own patch budget
+    and row-local feature rows) -> VisionInputs with one patch row per training row. Feature rows
+    are offset to index all rows' merged features in order. Works on NumPy or traced arrays."""
+    batch, budget = rows.patch_segment_ids.shape
     window = merge_size**2
     if budget % window:
         raise ValueError(f"the patch budget {budget} must be a multiple of {window} (m²)")
-    rows = jnp.arange(batch)[:, None]
-    token_index = jnp.where(feature_index >= 0, feature_index + rows * (budget // window), -1)
-    return VisionInputs(patches, patch_positions, patch_segment_ids, token_index)
+    offsets = jnp.arange(batch)[:, None] * (budget // window)
+    token_index = jnp.where(rows.feature_index >= 0, rows.feature_index + offsets, -1)
+    return VisionInputs(rows.patches, rows.patch_positions, rows.patch_segment_ids, token_index)

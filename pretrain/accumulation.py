@@ -17,9 +17,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from batch_format.batch import Batch
 
-def micro_batches(batch: dict, parts: int) -> dict:
-    """[B, ...] arrays -> [parts, B / parts, ...]: micro-batch m holds rows m, m + parts, ..."""
+
+def micro_batches(batch: Batch, parts: int) -> Batch:
+    """Every [B, ...] array of the batch (its vision part's too) -> [parts, B / parts, ...]:
+    micro-batch m holds rows m, m + parts, ..."""
 
     def split(x):
         rows = x.shape[0]

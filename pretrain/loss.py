@@ -7,6 +7,7 @@ loss be computed in parts (gradient accumulation, evaluation) that add up to it 
 import jax
 import jax.numpy as jnp
 
+from batch_format.batch import Batch
 from batch_format.modality import MODALITIES
 from m3jax.mtp import depth_segment_ids, shifted
 from pretrain.config import RunConfig
@@ -40,36 +41,36 @@ def masked_mean(
     return jnp.where(total > 0, (values * weight).sum() / jnp.maximum(total, 1e-9), empty)
 
 
-def mtp_targets(batch: dict, depth: int) -> tuple[jax.Array, jax.Array]:
+def mtp_targets(batch: Batch, depth: int) -> tuple[jax.Array, jax.Array]:
     """(targets, loss weight) [B, S] of MTP module `depth`: the target depth + 1 positions ahead,
     weighted where that target is in the same document piece and carries loss."""
-    segment_ids = depth_segment_ids(batch["segment_ids"], depth)
-    weight = shifted(batch["loss_mask"], depth + 1) * (segment_ids > 0)
-    return shifted(batch["targets"], depth + 1), weight
+    segment_ids = depth_segment_ids(batch.segment_ids, depth)
+    weight = shifted(batch.loss_mask, depth + 1) * (segment_ids > 0)
+    return shifted(batch.targets, depth + 1), weight
 
 
-def modality_weights(batch: dict) -> dict[str, jax.Array]:
+def modality_weights(batch: Batch) -> dict[str, jax.Array]:
     """Loss weights [B, S] of the LM loss's multimodal breakdown: "<kind>_docs" (targets in
     text-only documents, documents with images, with video) and "after_<modality>" (targets whose
     input token is text, an image's or a video frame's closing bracket)."""
-    kinds = document_kinds(batch["segment_ids"], batch["modality"])
+    kinds = document_kinds(batch.segment_ids, batch.modality)
     weights = {}
     for code, name in enumerate(MODALITIES):
-        weights[f"{name}_docs"] = batch["loss_mask"] * (kinds == code)
-        weights[f"after_{name}"] = batch["loss_mask"] * (batch["modality"] == code)
+        weights[f"{name}_docs"] = batch.loss_mask * (kinds == code)
+        weights[f"after_{name}"] = batch.loss_mask * (batch.modality == code)
     return weights
 
 
-def loss_totals(batch: dict, num_mtp_modules: int, parts: int) -> dict:
+def loss_totals(batch: Batch, num_mtp_modules: int, parts: int) -> dict:
     """The denominators of the loss's means over `batch` (a whole step's or evaluation's rows),
     and `parts`: how many pieces of it are evaluated separately (their means then add up)."""
-    real = batch["segment_ids"] > 0
-    totals = {"loss_mask": batch["loss_mask"].astype(jnp.float32).sum(), "tokens": real.sum()}
-    if "modality" in batch:
+    real = batch.segment_ids > 0
+    totals = {"loss_mask": batch.loss_mask.astype(jnp.float32).sum(), "tokens": real.sum()}
+    if batch.modality is not None:
         totals.update({group: weight.sum() for group, weight in modality_weights(batch).items()})
     for depth in range(num_mtp_modules):
         totals[f"mtp{depth}"] = mtp_targets(batch, depth)[1].sum()
-        totals[f"mtp{depth}_tokens"] = (depth_segment_ids(batch["segment_ids"], depth) > 0).sum()
+        totals[f"mtp{depth}_tokens"] = (depth_segment_ids(batch.segment_ids, depth) > 0).sum()
     return {**totals, "parts": jnp.float32(parts)}
 
 

@@ -21,6 +21,7 @@ import re
 
 import numpy as np
 
+from batch_format.batch import Batch
 from m3jax import cost_model
 from m3jax.attention import ForwardMode
 from m3jax.model import Functional
@@ -82,13 +83,14 @@ class ModelFlops:
     def __init__(self, model: Functional):
         self.config, self.weights = model.config, cost_model.active_weights(model)
 
-    def per_token(self, batch: dict[str, np.ndarray], mode: ForwardMode) -> float:
-        """batch: this process's rows (segment_ids [B, S], patch_segment_ids [B, P] if any)."""
+    def per_token(self, batch: Batch, mode: ForwardMode) -> float:
+        """batch: this process's rows (host arrays)."""
+        patch_segment_ids = None if batch.vision is None else batch.vision.patch_segment_ids
         forward = cost_model.packed_forward_flops(
-            self.config, self.weights, batch["segment_ids"], batch.get("patch_segment_ids"),
+            self.config, self.weights, batch.segment_ids, patch_segment_ids,
             msa_dense=mode.msa_dense,
         )  # fmt: skip
-        return TRAINING_PER_FORWARD * forward / max(np.count_nonzero(batch["segment_ids"]), 1)
+        return TRAINING_PER_FORWARD * forward / max(np.count_nonzero(batch.segment_ids), 1)
 
 
 def window_throughput(steps: list[dict], seconds: float, peak: Peak) -> dict:

@@ -23,6 +23,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from batch_format.batch import make_batch
 from m3jax import cost_model, sharding
 from m3jax.model import functional
 from pretrain import hlo_collectives
@@ -135,16 +136,11 @@ def compile_step(session: TrainingSession) -> tuple[int, dict[str, int], list[st
     session's compiled step."""
     run = session.run
     shape = (run.data.batch_size, run.data.seq_len)
-    batch = {
-        name: jax.ShapeDtypeStruct(shape, dtype, sharding=session.batch_sharding)
-        for name, dtype in (
-            ("tokens", jnp.int32),
-            ("targets", jnp.int32),
-            ("positions", jnp.int32),
-            ("segment_ids", jnp.int32),
-            ("loss_mask", jnp.float32),
-        )
-    }
+    ids, weights = (
+        jax.ShapeDtypeStruct(shape, dtype, sharding=session.batch_sharding)
+        for dtype in (jnp.int32, jnp.float32)
+    )
+    batch = make_batch(tokens=ids, targets=ids, positions=ids, segment_ids=ids, loss_mask=weights)
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         session.abstract_state,

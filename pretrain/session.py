@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from batch_format.batch import Batch
 from data.mm_loader import modality_counts
 from m3jax import sharding
 from m3jax.attention import ForwardMode
@@ -128,30 +129,31 @@ class TrainingSession:
     def msa_phase(self) -> str | None:
         return msa_phase(self.run.model, self.tokens_seen)
 
-    def step(self, batch: dict[str, np.ndarray], mode: ForwardMode) -> dict:
+    def step(self, batch: Batch, mode: ForwardMode) -> dict:
         """One optimizer step on a host batch; returns its metrics as (unfetched) device arrays,
         plus the batch's training FLOPs per token (`model_flops_per_token`, a host float)."""
-        if "modality" in batch:
+        if batch.modality is not None:
             self.modality_tokens.update(modality_counts(batch))
         metrics = self.step_on_devices(self.put_batch(batch), mode)
         # counted while the (asynchronously dispatched) step runs
         return {**metrics, "model_flops_per_token": self.model_flops.per_token(batch, mode)}
 
-    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows (`process_share`) as global arrays, sharded over the batch axes
-        (host -> device). The global shape is given: only the rows are split over processes."""
-        return {
-            k: jax.make_array_from_process_local_data(
-                self.batch_sharding, v, (v.shape[0] * self.processes_per_batch, *v.shape[1:])
-            )
-            for k, v in batch.items()
-        }
+    def put_batch(self, batch: Batch) -> Batch:
+        """This process's rows (`process_share`) of every array as global arrays, sharded over the
+        batch axes (host -> device). The global shape is given: only the rows are split over
+        processes."""
 
-    def step_on_devices(self, batch: dict[str, jax.Array], mode: ForwardMode) -> dict:
+        def global_array(x: np.ndarray) -> jax.Array:
+            shape = (x.shape[0] * self.processes_per_batch, *x.shape[1:])
+            return jax.make_array_from_process_local_data(self.batch_sharding, x, shape)
+
+        return jax.tree.map(global_array, batch)
+
+    def step_on_devices(self, batch: Batch, mode: ForwardMode) -> dict:
         """One optimizer step on a batch already on the devices (`put_batch`); modality counts are
         left to `step`. benchmarks/bench_input_stall.py times the step alone through this."""
         self.state, metrics = self._step(self.state, batch, mode)
-        self.tokens_seen += batch["tokens"].size  # global B·S
+        self.tokens_seen += batch.tokens.size  # global B·S
         if mode.indexer_loss:
             metrics["msa_warmup"] = float(mode.msa_dense)  # 1 while sparse layers attend densely
         return metrics

@@ -6,6 +6,7 @@ are taken over the whole batch's totals, or divided by the number of parts."""
 import jax
 import jax.numpy as jnp
 
+from batch_format.batch import Batch
 from batch_format.modality import MODALITIES
 from m3jax.config import ModelConfig
 from m3jax.decoder import LayerStats
@@ -94,13 +95,13 @@ def load_metrics(loads: list, labels: list[str]) -> dict:
     }
 
 
-def modality_metrics(token_nll: jax.Array, batch: dict, totals: dict) -> dict:
+def modality_metrics(token_nll: jax.Array, batch: Batch, totals: dict) -> dict:
     """Tokens per modality, and the LM loss (text targets only) by document kind and by input
     modality (`nll_<kind>_docs`, `nll_after_<modality>`: pretrain/loss.py modality_weights); NaN
     where a batch has none."""
-    real = batch["segment_ids"] > 0
+    real = batch.segment_ids > 0
     metrics = {
-        f"{name}_tokens": ((batch["modality"] == code) & real).sum()
+        f"{name}_tokens": ((batch.modality == code) & real).sum()
         for code, name in enumerate(MODALITIES)
     }
     for group, weight in modality_weights(batch).items():

@@ -28,6 +28,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+from batch_format.batch import Batch
 from data.mm_documents import DataError
 from m3jax import xla_flags
 from m3jax.config_loading import to_mapping
@@ -195,7 +196,7 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
     return step
 
 
-def _agreed_batch(stop, loader) -> tuple[dict | None, dict | None, DataError | None]:
+def _agreed_batch(stop, loader) -> tuple[Batch | None, dict | None, DataError | None]:
     """(the next batch, None, None), or when a process stops (a signal, no usable data left: all
     processes stop before the same step) (None, the position to save or None for the loader's,
     the DataError if the data ran out). Every process calls this once per step."""
@@ -360,7 +361,7 @@ class _StopOnSignal:
         }
         return self
 
-    def next_batch(self, loader) -> dict | None:
+    def next_batch(self, loader) -> Batch | None:
         """next(loader), or None when a stop signal arrives meanwhile (the loader's position is
         then undefined: the caller saves the position from before the call)."""
         try:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from batch_format.batch import Batch
 from m3jax.attention import ForwardMode
 from m3jax.model import Functional
 from m3jax.mtp import MTPOutput
@@ -44,7 +45,6 @@ from pretrain.step_metrics import (
     token_share,
 )
 
-Batch = dict[str, jax.Array]  # tokens, targets, positions, segment_ids: [B, S] int32; loss_mask
 LossFn = Callable[[dict, dict, Batch, ForwardMode, dict], tuple[jax.Array, tuple[dict, list]]]
 
 
@@ -69,28 +69,22 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
 
     def loss_fn(params, buffers, batch, mode, totals):
         vision = None
-        if config.vision is not None and "patches" in batch:
-            vision = from_packed_rows(
-                batch["patches"], batch["patch_positions"], batch["patch_segment_ids"],
-                batch["feature_index"], config.vision.spatial_merge_size,
-            )  # fmt: skip
+        if config.vision is not None and batch.vision is not None:
+            vision = from_packed_rows(batch.vision, config.vision.spatial_merge_size)
         normed, stats, mtp = model.apply_normed_with_mtp(
-            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], vision,
-            mode=mode,
-        )  # fmt: skip
+            params, buffers, batch.tokens, batch.positions, batch.segment_ids, vision, mode=mode
+        )
 
         def lm_losses(hidden, targets):  # per position (nll, logsumexp) [B, S] of the lm_head
             return chunked_token_losses(
                 hidden, params["lm_head"], targets, chunk_tokens=run.train.loss_chunk_tokens
             )
 
-        token_nll, log_normalizer = lm_losses(normed, batch["targets"])
-        nll = masked_mean(token_nll, batch["loss_mask"], total=totals["loss_mask"])
-        z_loss = masked_mean(
-            jnp.square(log_normalizer), batch["loss_mask"], total=totals["loss_mask"]
-        )
+        token_nll, log_normalizer = lm_losses(normed, batch.targets)
+        nll = masked_mean(token_nll, batch.loss_mask, total=totals["loss_mask"])
+        z_loss = masked_mean(jnp.square(log_normalizer), batch.loss_mask, total=totals["loss_mask"])
         metrics = {"nll": nll, "z_loss": z_loss}
-        if "modality" in batch:
+        if batch.modality is not None:
             metrics.update(modality_metrics(token_nll, batch, totals))
         mtp_nll = 0.0
         if mtp:
@@ -98,7 +92,7 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
             metrics.update(mtp_metrics)
         # MTP layers as one-layer stacks, after the trunk's (their tokens: the module's pieces)
         stacks = layer_stats(stats, mtp)
-        token_shares = [token_share(batch["segment_ids"], totals["tokens"])] * len(stats) + [
+        token_shares = [token_share(batch.segment_ids, totals["tokens"])] * len(stats) + [
             token_share(m.segment_ids, totals[f"mtp{d}_tokens"]) for d, m in enumerate(mtp)
         ]
         metrics.update(moe_metrics(stacks, totals["parts"], config.moe.experts_per_token))
@@ -144,7 +138,7 @@ def make_train_step(
             loss=loss,
             grad_norm=grad_norm,
             lr=schedule(applied_updates(state["opt_state"])),  # the LR this update used
-            tokens=(batch["segment_ids"] > 0).sum(),
+            tokens=(batch.segment_ids > 0).sum(),
             skipped=skipped,
         )
         return new_state, metrics

@@ -35,7 +35,7 @@ def test_bench_inputs_place_the_second_document_mid_block():
 
 def test_synthetic_batch_packs_documents_with_positions_from_zero():
     batch = bench_train.synthetic_batch(3, 4096, vocab=512, mean_document=700)
-    segments, positions = np.asarray(batch["segment_ids"]), np.asarray(batch["positions"])
+    segments, positions = np.asarray(batch.segment_ids), np.asarray(batch.positions)
     assert segments.shape == positions.shape == (3, 4096)
     documents = 0
     for row_segments, row_positions in zip(segments, positions, strict=True):
@@ -46,7 +46,7 @@ def test_synthetic_batch_packs_documents_with_positions_from_zero():
         inside[starts] = inside[0] = False
         assert (np.diff(row_positions)[inside[1:]] == 1).all()
     assert documents >= 9  # rows hold several documents (≈ 4096 / 700 each on average)
-    assert (np.asarray(batch["targets"])[:, :-1] == np.asarray(batch["tokens"])[:, 1:]).all()
+    assert (np.asarray(batch.targets)[:, :-1] == np.asarray(batch.tokens)[:, 1:]).all()
 
 
 def test_tpu_bench_refuses_to_time_without_a_tpu(monkeypatch):

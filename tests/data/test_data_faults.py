@@ -82,8 +82,8 @@ def test_provenance_names_the_records_in_the_last_batch(tmp_path):
         batch = next(loader)
         named = loader.provenance().split(", ")
         assert all(where.startswith(f"{tmp_path / 'set'}/shard-") for where in named)
-        used = batch["segment_ids"] > 0
-        seen = TOK.decode(np.concatenate([batch["tokens"][used], batch["targets"][used]]))
+        used = batch.segment_ids > 0
+        seen = TOK.decode(np.concatenate([batch.tokens[used], batch.targets[used]]))
         assert sorted(letter_of[where] for where in named) == sorted(set(seen) & set(letters))
 
 

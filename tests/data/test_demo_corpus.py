@@ -38,5 +38,5 @@ def test_demo_corpus_builds_once_and_trains_a_loader(tmp_path):
         seq_len=256, batch_size=4, patch_budget=256, seed=0, processor=DEMO_PROCESSOR,
         shard_index=0, shard_count=1,
     )  # fmt: skip
-    modality = np.concatenate([next(loader)["modality"].ravel() for _ in range(8)])
+    modality = np.concatenate([next(loader).modality.ravel() for _ in range(8)])
     assert {0, 1, 2} <= set(modality.tolist())

@@ -49,9 +49,11 @@ def _pairs_and_patches(batches):
     """Multiset of (input, target) pairs and the float64 sum of all patch rows in use."""
     pairs, total = Counter(), 0.0
     for batch in batches:
-        used = batch["segment_ids"] > 0
-        pairs.update(zip(batch["tokens"][used].tolist(), batch["targets"][used].tolist()))
-        total += float(batch["patches"][batch["patch_segment_ids"] > 0].astype(np.float64).sum())
+        used = batch.segment_ids > 0
+        pairs.update(zip(batch.tokens[used].tolist(), batch.targets[used].tolist()))
+        total += float(
+            batch.vision.patches[batch.vision.patch_segment_ids > 0].astype(np.float64).sum()
+        )
     return pairs, total
 
 
@@ -67,11 +69,14 @@ def _expected_pairs_and_patches(path):
 
 
 def _check_row_invariants(batch):
-    for b in range(batch["tokens"].shape[0]):
-        tokens, targets = batch["tokens"][b], batch["targets"][b]
-        segments, positions = batch["segment_ids"][b], batch["positions"][b]
-        loss, features = batch["loss_mask"][b], batch["feature_index"][b]
-        patch_ids, patch_positions = batch["patch_segment_ids"][b], batch["patch_positions"][b]
+    for b in range(batch.tokens.shape[0]):
+        tokens, targets = batch.tokens[b], batch.targets[b]
+        segments, positions = batch.segment_ids[b], batch.positions[b]
+        loss, features = batch.loss_mask[b], batch.vision.feature_index[b]
+        patch_ids, patch_positions = (
+            batch.vision.patch_segment_ids[b],
+            batch.vision.patch_positions[b],
+        )
         used = segments > 0
         assert used.sum() == np.argmin(np.append(used, False))  # padding only at the end
         assert (np.diff(segments[used]) >= 0).all()
@@ -87,8 +92,8 @@ def _check_row_invariants(batch):
         assert features[placeholder].tolist() == list(range(placeholder.sum()))
         assert (features[~placeholder] == -1).all()
         assert 4 * placeholder.sum() == (patch_ids > 0).sum() <= len(patch_ids)
-        assert (batch["modality"][b][tokens == TOK.image_id] == 1).all()
-        assert (batch["modality"][b][tokens == TOK.video_id] == 2).all()
+        assert (batch.modality[b][tokens == TOK.image_id] == 1).all()
+        assert (batch.modality[b][tokens == TOK.video_id] == 2).all()
         # Each unit: contiguous ids, complete (t, h, w) grid starting at 0: never split.
         ids = patch_ids[patch_ids > 0]
         assert ids.tolist() == sorted(ids.tolist()) and set(ids) == set(range(1, len(set(ids)) + 1))
@@ -106,7 +111,7 @@ def _check_row_invariants(batch):
 
 def test_packing_invariants_and_every_pair_exactly_once(mm_shards):
     batches = _epoch(_loader(mm_shards, num_epochs=1, num_bins=4, batch_size=1))
-    assert batches and all(b["tokens"].shape == (1, S) for b in batches)
+    assert batches and all(b.tokens.shape == (1, S) for b in batches)
     for batch in batches:
         _check_row_invariants(batch)
     got_pairs, got_total = _pairs_and_patches(batches)
@@ -117,7 +122,7 @@ def test_packing_invariants_and_every_pair_exactly_once(mm_shards):
 
 def test_batch_keys_shapes_and_dtypes(mm_shards):
     batch = next(_loader(mm_shards))
-    shapes = {key: (value.shape, value.dtype.name) for key, value in batch.items()}
+    shapes = {key: (value.shape, value.dtype.name) for key, value in _arrays(batch).items()}
     assert shapes == {
         "tokens": ((B, S), "int32"),
         "targets": ((B, S), "int32"),
@@ -135,16 +140,22 @@ def test_batch_keys_shapes_and_dtypes(mm_shards):
 def test_best_fit_fills_rows_at_least_as_well(mm_shards):
     def fill(strategy):
         batches = _epoch(_loader(mm_shards, num_epochs=1, strategy=strategy, num_bins=6))
-        return np.mean([(b["segment_ids"] > 0).mean() for b in batches])
+        return np.mean([(b.segment_ids > 0).mean() for b in batches])
 
     assert fill("best_fit") >= fill("first_fit") - 0.05
 
 
 def test_text_only_shards_give_rows_without_patches(text_shards):
     batch = next(_loader(text_shards, patch_budget=0))
-    assert batch["patches"].shape == (B, 0, 1176)
-    assert (batch["feature_index"] == -1).all() and (batch["modality"] == 0).all()
-    assert (batch["segment_ids"] > 0).all()  # text packs rows full
+    assert batch.vision.patches.shape == (B, 0, 1176)
+    assert (batch.vision.feature_index == -1).all() and (batch.modality == 0).all()
+    assert (batch.segment_ids > 0).all()  # text packs rows full
+
+
+def _arrays(batch) -> dict[str, np.ndarray]:
+    """Every array of a multimodal batch by field name, the vision part's too."""
+    fields = {name: x for name, x in batch._asdict().items() if name != "vision"}
+    return {**fields, **batch.vision._asdict()}
 
 
 def _resume_check(path, num_workers):
@@ -157,7 +168,7 @@ def _resume_check(path, num_workers):
     resumed = _loader(path, num_workers=num_workers)
     resumed.restore(state)
     for want in expected:
-        got = next(resumed)
+        got, want = _arrays(next(resumed)), _arrays(want)
         assert set(got) == set(want)
         for key in want:
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
@@ -182,8 +193,8 @@ def test_restore_refuses_other_settings(mm_shards):
 def _first_words(batch):
     """The text after <bos> of every document start in the batch."""
     found = []
-    for b, column in zip(*np.nonzero((batch["positions"] == 0) & (batch["tokens"] == TOK.bos_id))):
-        found.append(TOK.decode(batch["tokens"][b, column + 1 : column + 13]))
+    for b, column in zip(*np.nonzero((batch.positions == 0) & (batch.tokens == TOK.bos_id))):
+        found.append(TOK.decode(batch.tokens[b, column + 1 : column + 13]))
     return found
 
 
@@ -263,8 +274,8 @@ def test_unit_larger_than_budget_is_skipped_with_reason(broken_record_shards):
 def test_modality_counts_exclude_padding(mm_shards):
     batch = next(_loader(mm_shards))
     counts = modality_counts(batch)
-    assert sum(counts.values()) == (batch["segment_ids"] > 0).sum()
-    placeholders = np.isin(batch["tokens"], [TOK.image_id, TOK.video_id]).sum()
+    assert sum(counts.values()) == (batch.segment_ids > 0).sum()
+    placeholders = np.isin(batch.tokens, [TOK.image_id, TOK.video_id]).sum()
     assert counts["image_tokens"] + counts["video_tokens"] >= placeholders
 
 

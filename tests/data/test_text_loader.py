@@ -55,7 +55,7 @@ def _take(loader, num_batches):
 
 
 def _stack(batches, key):
-    return np.concatenate([b[key] for b in batches])
+    return np.concatenate([getattr(b, key) for b in batches])
 
 
 def test_packed_text_loader_matches_reference():
@@ -71,8 +71,12 @@ def test_packed_text_loader_matches_reference():
         np.testing.assert_array_equal(_stack(batches, key), reference[..., i], err_msg=key)
     for batch in batches:
         for key in KEYS[:4]:
-            assert batch[key].shape == (batch_size, seq_len) and batch[key].dtype == np.int32
-        assert batch["loss_mask"].dtype == np.float32 and (batch["loss_mask"] == 1.0).all()
+            assert (
+                getattr(batch, key).shape == (batch_size, seq_len)
+                and getattr(batch, key).dtype == np.int32
+            )
+        assert batch.loss_mask.dtype == np.float32 and (batch.loss_mask == 1.0).all()
+        assert batch.modality is None and batch.vision is None  # text only: no optional parts
 
 
 def test_packed_text_loader_targets_are_next_token_of_same_document():
@@ -155,7 +159,7 @@ def test_packed_text_loader_restore_continues_exactly(seed):
     restored.restore(state)
     for want, got in zip(expected, _take(restored, 5)):
         for key in KEYS:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+            np.testing.assert_array_equal(getattr(got, key), getattr(want, key), err_msg=key)
     assert restored.epoch == loader.epoch == 1
 
 
@@ -169,12 +173,12 @@ def test_packed_text_loader_restore_mid_document():
     _take(loader, 7)
     state = loader.state()
     expected = _take(loader, 5)
-    assert expected[0]["positions"][0, 0] == 0 and expected[0]["tokens"][0, 0] != 256  # mid-doc
+    assert expected[0].positions[0, 0] == 0 and expected[0].tokens[0, 0] != 256  # mid-doc
     restored = make()
     restored.restore(state)
     for want, got in zip(expected, _take(restored, 5)):
         for key in KEYS:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+            np.testing.assert_array_equal(getattr(got, key), getattr(want, key), err_msg=key)
 
 
 def test_packed_text_loader_restore_with_other_batch_size_continues_rows():
@@ -182,7 +186,7 @@ def test_packed_text_loader_restore_with_other_batch_size_continues_rows():
     loader = PackedTextLoader(documents, ByteTokenizer(), seq_len=8, batch_size=4, seed=1)
     _take(loader, 3)
     state = loader.state()
-    expected = np.concatenate([b["tokens"] for b in _take(loader, 2)])
+    expected = np.concatenate([b.tokens for b in _take(loader, 2)])
     smaller = PackedTextLoader(documents, ByteTokenizer(), seq_len=8, batch_size=2, seed=1)
     smaller.restore(state)
     np.testing.assert_array_equal(_stack(_take(smaller, 4), "tokens"), expected)
@@ -198,7 +202,9 @@ def test_packed_text_loader_process_blocks_make_up_the_global_batch_and_share_on
     for _ in range(4):
         batch, pieces = next(whole), [next(block) for block in blocks]
         for key in KEYS:
-            np.testing.assert_array_equal(np.concatenate([p[key] for p in pieces]), batch[key])
+            np.testing.assert_array_equal(
+                np.concatenate([getattr(p, key) for p in pieces]), getattr(batch, key)
+            )
     assert all(block.state() == whole.state() for block in blocks)  # global rows: any count resumes
 
 
@@ -262,5 +268,5 @@ def test_packed_text_loader_shakespeare_batches():
     loader = PackedTextLoader(shakespeare_documents(), tokenizer, seq_len=256, batch_size=8, seed=0)
     assert loader.num_documents > 500 and loader.tokens_per_epoch > 5_000_000
     batch = next(loader)
-    assert batch["tokens"][0, 0] == tokenizer.bos_id  # every epoch starts with a document
-    assert tokenizer.decode(batch["tokens"][0, 1:3]) == "# "
+    assert batch.tokens[0, 0] == tokenizer.bos_id  # every epoch starts with a document
+    assert tokenizer.decode(batch.tokens[0, 1:3]) == "# "

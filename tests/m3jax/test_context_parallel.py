@@ -29,6 +29,7 @@ from conftest import REPO
 from moe_cases import assert_trees_close
 from tiny import tiny_run
 
+from batch_format.batch import Batch, make_batch
 from m3jax import attention_ops, context_parallel, sharding
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
@@ -58,7 +59,7 @@ def mesh_of(sizes: dict):
     return sharding.make_mesh(sizes, devices=jax.devices()[: math.prod(sizes.values())])
 
 
-def packed_batch() -> dict[str, np.ndarray]:
+def packed_batch() -> Batch:
     rng = np.random.default_rng(0)
     segments = np.zeros((len(DOCUMENTS), SEQ), np.int32)
     positions = np.zeros_like(segments)
@@ -67,15 +68,15 @@ def packed_batch() -> dict[str, np.ndarray]:
         for doc, (start, end) in enumerate(itertools.pairwise(starts)):
             segments[row, start:end], positions[row, start:end] = doc + 1, np.arange(end - start)
     tokens, targets = rng.integers(0, RUN.model.vocab_size, (2, *segments.shape), np.int32)
-    return {"tokens": tokens, "targets": targets, "positions": positions,
-            "segment_ids": segments, "loss_mask": (segments > 0).astype(np.float32)}  # fmt: skip
+    return make_batch(tokens=tokens, targets=targets, positions=positions, segment_ids=segments,
+                      loss_mask=(segments > 0).astype(np.float32))  # fmt: skip
 
 
 def loss_and_grads(mesh=None):
     """(loss, metrics, gradients) of the training loss on `mesh` (None: one device)."""
     model = functional(RUN.model, mesh)
     params, buffers = model.init(0)
-    batch = {k: jnp.asarray(v) for k, v in packed_batch().items()}
+    batch = jax.tree.map(jnp.asarray, packed_batch())
     if mesh is not None:
         params = jax.device_put(params, sharding.tree_shardings(model.param_axes, params, mesh))
         batch = jax.device_put(batch, sharding.batch_sharding(mesh))

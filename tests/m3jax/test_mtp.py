@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from tiny import tiny_run
 
+from batch_format.batch import make_batch
 from m3jax.model import functional
 from m3jax.mtp import depth_segment_ids, shifted
 from pretrain.loss import mtp_targets
@@ -36,8 +37,10 @@ def test_mtp_segments_end_before_the_next_piece_and_targets_look_ahead():
     segment_ids = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]])
     np.testing.assert_array_equal(depth_segment_ids(segment_ids, 0), [[1, 1, 1, 0, 2, 2, 0, 0]])
     np.testing.assert_array_equal(depth_segment_ids(segment_ids, 1), [[1, 1, 0, 0, 2, 0, 0, 0]])
-    batch = {"segment_ids": segment_ids, "targets": jnp.arange(8)[None] + 10,
-             "loss_mask": jnp.array([[1, 1, 0, 1, 1, 1, 1, 0]], jnp.float32)}  # fmt: skip
+    unread = jnp.zeros((1, 8), jnp.int32)
+    batch = make_batch(tokens=unread, positions=unread, segment_ids=segment_ids,
+                       targets=jnp.arange(8)[None] + 10,
+                       loss_mask=jnp.array([[1, 1, 0, 1, 1, 1, 1, 0]], jnp.float32))  # fmt: skip
     targets, weight = mtp_targets(batch, 0)
     np.testing.assert_array_equal(targets, [[11, 12, 13, 14, 15, 16, 17, 0]])
     np.testing.assert_array_equal(weight, [[1, 0, 1, 0, 1, 1, 0, 0]])  # target 12 has no loss

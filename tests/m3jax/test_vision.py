@@ -11,6 +11,7 @@ import pytest
 from tiny import tiny_vision_run
 
 import m3jax
+from batch_format.batch import VisionBatch
 from batch_format.vision import grid_positions
 from m3jax.convert.layout import leaf_shapes, nested
 from m3jax.model import functional
@@ -145,10 +146,11 @@ def test_training_rows_layout_gives_the_same_embeddings_as_one_packed_row(weight
     )  # fmt: skip
     feature_index = np.full(ids.shape, -1, np.int32)
     feature_index[0, 1:3], feature_index[1, 2:4] = [0, 1], [0, 1]  # row-local merged rows
-    rows = from_packed_rows(
+    packed = VisionBatch(
         np.stack([patches_a, patches_b]), np.stack([positions_a, positions_b]),
-        np.stack([segments_a, segments_b]), feature_index, merge_size=2,
+        np.stack([segments_a, segments_b]), feature_index,
     )  # fmt: skip
+    rows = from_packed_rows(packed, merge_size=2)
     model = functional(CONFIG)
     expected = model.embeddings(weights["params"], weights["buffers"], ids, one_row)
     got = model.embeddings(weights["params"], weights["buffers"], ids, rows)

@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train_step import make_batch
+from test_train_step import random_batch
 from tiny import tiny_run
 
+from batch_format.batch import Batch, VisionBatch, make_batch
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain.accumulation import accumulated, micro_batches
@@ -22,22 +23,35 @@ MODE = ForwardMode(indexer_loss=True, block_recall=True)
 MTP = {"mtp": {"num_modules": 1}}  # with MSA and MoE layers: every loss term and statistic
 
 
-def uneven_batch() -> dict:
+def uneven_batch() -> Batch:
     """4 rows of 32: full, half padding, three documents, mostly padding (loss 0 on padding)."""
-    batch = make_batch(seed=3, batch=4)
+    batch = random_batch(seed=3, batch=4)
     segment_ids = np.ones((4, 32), np.int32)
     segment_ids[1, 16:] = 0
     segment_ids[2, 10:20], segment_ids[2, 20:] = 2, 3
     segment_ids[3, 5:] = 0
-    batch["segment_ids"] = jnp.asarray(segment_ids)
-    batch["loss_mask"] = jnp.asarray(segment_ids > 0, jnp.float32)
-    return batch
+    return batch._replace(
+        segment_ids=jnp.asarray(segment_ids), loss_mask=jnp.asarray(segment_ids > 0, jnp.float32)
+    )
 
 
-def test_micro_batches_take_every_kth_row():
-    batch = {"x": jnp.arange(8)[:, None] * jnp.ones((1, 3), jnp.int32)}
-    rows = micro_batches(batch, 2)["x"][:, :, 0]
-    np.testing.assert_array_equal(rows, [[0, 2, 4, 6], [1, 3, 5, 7]])
+def test_micro_batches_take_every_kth_row_of_every_field_the_vision_part_too():
+    def numbered(dtype, *shape):  # each row filled with its row number
+        return jnp.broadcast_to(jnp.arange(8).reshape(8, *[1] * len(shape)), (8, *shape)).astype(
+            dtype
+        )
+
+    ids, vision = numbered(jnp.int32, 4), numbered(jnp.int32, 6)
+    batch = make_batch(
+        tokens=ids, targets=ids, positions=ids, segment_ids=ids,
+        loss_mask=numbered(jnp.float32, 4), modality=numbered(jnp.int8, 4),
+        vision=VisionBatch(numbered(jnp.float32, 6, 5), numbered(jnp.int32, 6, 3), vision, ids),
+    )  # fmt: skip
+    leaves = jax.tree.leaves(micro_batches(batch, 2))
+    assert len(leaves) == len(Batch._fields) - 1 + len(VisionBatch._fields)
+    for leaf in leaves:
+        rows = leaf.reshape(2, 4, -1)[..., 0]
+        np.testing.assert_array_equal(rows, [[0, 2, 4, 6], [1, 3, 5, 7]])
 
 
 @pytest.mark.slow
@@ -85,7 +99,7 @@ def test_train_step_with_accumulation_updates_parameters_and_biases_as_the_whole
                        static_argnums=2)  # fmt: skip
         state = init_state(model, optimizer, seed=0)
         state, first = step(state, uneven_batch(), MODE)
-        state, second = step(state, make_batch(seed=4, batch=4), MODE)
+        state, second = step(state, random_batch(seed=4, batch=4), MODE)
         return state, first, second
 
     state, first, second = two_steps(1)

@@ -32,15 +32,12 @@ def test_evaluation_is_the_mean_over_all_held_out_targets_and_updates_nothing(tm
     nll, weight, kinds = [], [], []
     model, merge = functional(run.model), run.model.vision.spatial_merge_size
     for batch in evaluator.batches:
-        vision = from_packed_rows(
-            batch["patches"], batch["patch_positions"], batch["patch_segment_ids"],
-            batch["feature_index"], merge,
-        )  # fmt: skip
-        logits, _ = model.apply(before["params"], before["buffers"], batch["tokens"],
-                                batch["positions"], batch["segment_ids"], vision)  # fmt: skip
-        nll.append(np.asarray(token_losses(logits, batch["targets"])[0]))
-        weight.append(batch["loss_mask"])
-        kinds.append(np.asarray(document_kinds(batch["segment_ids"], batch["modality"])))
+        vision = from_packed_rows(batch.vision, merge)
+        logits, _ = model.apply(before["params"], before["buffers"], batch.tokens,
+                                batch.positions, batch.segment_ids, vision)  # fmt: skip
+        nll.append(np.asarray(token_losses(logits, batch.targets)[0]))
+        weight.append(batch.loss_mask)
+        kinds.append(np.asarray(document_kinds(batch.segment_ids, batch.modality)))
     nll, weight, kinds = map(np.concatenate, (nll, weight, kinds))
     np.testing.assert_allclose(first["eval_nll"], (nll * weight).sum() / weight.sum(), rtol=1e-5)
     for code, kind in enumerate(("text", "image", "video")):
@@ -66,4 +63,3 @@ def test_training_logs_evaluations_and_trains_exactly_as_without_them(tmp_path):
     assert plain["last_eval_nll"] is None
     losses = [r["loss"] for r in read_metrics(tmp_path / "plain" / "metrics.jsonl")]
     assert [r["loss"] for r in records if "loss" in r] == losses
-

@@ -5,8 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from conftest import REPO
+from test_train_step import one_document_rows
 from tiny import tiny_run
 
+from batch_format.batch import Batch
 from m3jax.attention import ForwardMode
 from m3jax.config import MoEConfig
 from m3jax.config_loading import load_yaml
@@ -34,18 +36,12 @@ def small_gpu_like_run():
     )
 
 
-def progression_batch(step: int) -> dict:
+def progression_batch(step: int) -> Batch:
     """Rows of t -> t + 11 (mod 256) from random starts: every token id about equally often, and
     the next token depends on the current one, so routing inputs stay token-specific."""
     start = jax.random.randint(jax.random.key(step), (ROWS, 1), 0, 256)
     tokens = (start + 11 * jnp.arange(SEQ + 1)) % 256
-    return {
-        "tokens": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "positions": jnp.tile(jnp.arange(SEQ), (ROWS, 1)),
-        "segment_ids": jnp.ones((ROWS, SEQ), jnp.int32),
-        "loss_mask": jnp.ones((ROWS, SEQ), jnp.float32),
-    }
+    return one_document_rows(tokens)
 
 
 def test_router_bias_rebalances_a_collapsed_32_expert_router_within_30_steps():

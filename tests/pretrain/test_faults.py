@@ -40,7 +40,7 @@ class _PoisonedLoader(PackedTextLoader):
     def __next__(self):
         batch = super().__next__()
         if self._rows_emitted // self.batch_size in self.poisoned:
-            batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
+            batch = batch._replace(loss_mask=np.full_like(batch.loss_mask, np.nan))
         return batch
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from tiny import tiny_run
 
+from batch_format.batch import Batch, make_batch
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain.metrics import read_metrics
@@ -72,13 +73,20 @@ def test_window_mfu_is_flops_per_token_times_tokens_per_s_over_the_peak():
     assert window_throughput([], 1.0, peak) == {}  # the compilation step alone: not timed
 
 
+def text_rows(segment_ids: np.ndarray) -> Batch:
+    """A text batch of these document pieces (the FLOP count reads nothing else)."""
+    zeros = np.zeros_like(segment_ids)
+    return make_batch(tokens=zeros, targets=zeros, positions=zeros, segment_ids=segment_ids,
+                      loss_mask=zeros.astype(np.float32))  # fmt: skip
+
+
 def test_model_flops_count_dense_attention_during_the_msa_warm_up():
     counter = ModelFlops(functional(tiny_run().model))  # seq 32 > top 2 blocks of 4
-    batch = {"segment_ids": np.ones((2, 32), np.int32)}
+    batch = text_rows(np.ones((2, 32), np.int32))
     warm_up = counter.per_token(batch, ForwardMode(msa_dense=True, indexer_loss=True))
     sparse = counter.per_token(batch, ForwardMode(indexer_loss=True))
     assert warm_up > sparse > 0
-    padded = {"segment_ids": np.pad(np.ones((2, 16), np.int32), ((0, 0), (0, 16)))}
+    padded = text_rows(np.pad(np.ones((2, 16), np.int32), ((0, 0), (0, 16))))
     short = counter.per_token(padded, ForwardMode(indexer_loss=True))
     assert short < sparse  # per real token: padding does not count, 16-token pieces attend less
 

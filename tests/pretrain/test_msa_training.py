@@ -12,7 +12,7 @@ from pretrain.metrics import read_metrics
 from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.train import train
 from pretrain.train_step import init_state, make_train_step
-from test_train_step import make_batch
+from test_train_step import random_batch
 from tiny import tiny_run
 
 TRAIN = ForwardMode(indexer_loss=True)
@@ -26,11 +26,11 @@ def test_indexer_kl_gradient_reaches_only_the_indexer():
     run = tiny_run()
     model = functional(run.model)
     params, buffers = model.init(0)
-    batch = make_batch()
+    batch = random_batch()
 
     def total_kl(params):
         _, stats = model.apply(
-            params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"], mode=TRAIN
+            params, buffers, batch.tokens, batch.positions, batch.segment_ids, mode=TRAIN
         )
         return sum(s.msa.kl.sum() for s in stats if s.msa is not None)
 
@@ -50,7 +50,7 @@ def one_step(kl_weight: float) -> dict:
     step = jax.jit(
         make_train_step(model, optimizer, learning_rate(run.optimizer, 10), run), static_argnums=2
     )
-    new_state, metrics = step(init_state(model, optimizer, seed=0), make_batch(), TRAIN)
+    new_state, metrics = step(init_state(model, optimizer, seed=0), random_batch(), TRAIN)
     return new_state["params"], metrics
 
 
@@ -75,8 +75,8 @@ def test_dense_warmup_attends_to_every_causal_block():
     run = tiny_run()
     everything = tiny_run(model={"msa": {"topk_blocks": 64}}).model
     params, buffers = functional(run.model).init(0)
-    batch = make_batch()
-    args = (params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"])
+    batch = random_batch()
+    args = (params, buffers, batch.tokens, batch.positions, batch.segment_ids)
     warmup, _ = functional(run.model).apply(*args, mode=ForwardMode(msa_dense=True))
     sparse, _ = functional(run.model).apply(*args, mode=ForwardMode())
     dense, _ = functional(everything).apply(*args, mode=ForwardMode())

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_train import restored_params, tree_equal
-from test_train_step import make_batch
+from test_train_step import random_batch
 from tiny import tiny_run
 
 from m3jax.attention import ForwardMode
@@ -27,11 +27,11 @@ def test_mtp_loss_and_router_biases_train_the_modules():
     optimizer = make_optimizer(RUN.optimizer, 10, model.param_axes)
     step = jax.jit(make_train_step(model, optimizer, learning_rate(RUN.optimizer, 10), RUN),
                    static_argnums=2)  # fmt: skip
-    state, batch = init_state(model, optimizer, seed=0), make_batch()
+    state, batch = init_state(model, optimizer, seed=0), random_batch()
     new_state, metrics = step(state, batch, ForwardMode(indexer_loss=True))
     params, buffers = state["params"], state["buffers"]
     _, _, outputs = model.apply_normed_with_mtp(
-        params, buffers, batch["tokens"], batch["positions"], batch["segment_ids"]
+        params, buffers, batch.tokens, batch.positions, batch.segment_ids
     )
     for depth in (0, 1):
         targets, weight = mtp_targets(batch, depth)

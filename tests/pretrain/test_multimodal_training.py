@@ -32,10 +32,10 @@ def multimodal_run(**sections):
 
 def test_multimodal_batches_carry_patches_for_the_vision_tower():
     batch = next(make_loader(multimodal_run()))
-    assert batch["patches"].shape == (4, 256, 1176)
-    assert (batch["feature_index"] >= 0).sum() * 4 <= (batch["patch_segment_ids"] > 0).sum()
-    assert (batch["modality"][batch["feature_index"] >= 0] > 0).all()
-    assert not batch["loss_mask"][batch["feature_index"] >= 0].any()  # placeholders: no loss
+    assert batch.vision.patches.shape == (4, 256, 1176)
+    assert (batch.vision.feature_index >= 0).sum() * 4 <= (batch.vision.patch_segment_ids > 0).sum()
+    assert (batch.modality[batch.vision.feature_index >= 0] > 0).all()
+    assert not batch.loss_mask[batch.vision.feature_index >= 0].any()  # placeholders: no loss
 
 
 @pytest.mark.slow

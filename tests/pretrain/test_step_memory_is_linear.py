@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from tiny import tiny_run
 
+from batch_format.batch import make_batch
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain.optimizer import learning_rate, make_optimizer
@@ -43,8 +44,8 @@ def step_values(seq: int) -> dict[str, tuple[int, str]]:
     step = make_train_step(model, optimizer, learning_rate(run.optimizer, run.train.steps), run)
     state = jax.eval_shape(lambda: init_state(model, optimizer, seed=0))
     rows = jax.ShapeDtypeStruct((1, seq), np.int32)
-    batch = {"tokens": rows, "targets": rows, "positions": rows, "segment_ids": rows,
-             "loss_mask": jax.ShapeDtypeStruct((1, seq), np.float32)}  # fmt: skip
+    batch = make_batch(tokens=rows, targets=rows, positions=rows, segment_ids=rows,
+                       loss_mask=jax.ShapeDtypeStruct((1, seq), np.float32))  # fmt: skip
     for mode in (ForwardMode(indexer_loss=True), ForwardMode(indexer_loss=True, block_recall=True)):
         jaxpr = jax.make_jaxpr(lambda s, b, mode=mode: step(s, b, mode))(state, batch)
         yield mode, value_sizes(jaxpr.jaxpr)

@@ -48,12 +48,12 @@ def test_bpe_placeholder_ids_flow_into_the_model_and_the_pipeline_uses_them(
         tokenizer.image_id, tokenizer.video_id,
     ) == (VOCAB - 4, VOCAB - 3)  # fmt: skip
     batch = next(make_loader(run))
-    tokens, real = batch["tokens"], batch["segment_ids"] > 0
+    tokens, real = batch.tokens, batch.segment_ids > 0
     assert tokens[real].max() < VOCAB and (tokens == tokenizer.bos_id).any()
-    placeholders = batch["feature_index"] >= 0
+    placeholders = batch.vision.feature_index >= 0
     assert placeholders.any() and np.isin(tokens[placeholders], [VOCAB - 4, VOCAB - 3]).all()
     assert (tokens[~real] == tokenizer.pad_id).all()
-    text = tokens[0][(batch["modality"][0] == 0) & real[0]]
+    text = tokens[0][(batch.modality[0] == 0) & real[0]]
     assert "." in tokenizer.decode(text)  # captions, tokenized by the BPE
 
 

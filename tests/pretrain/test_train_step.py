@@ -8,6 +8,7 @@ import numpy as np
 from test_chunked_loss import plain_token_losses as plain_losses
 from tiny import tiny_run
 
+from batch_format.batch import Batch, make_batch
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain import train_step
@@ -16,15 +17,24 @@ from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.train_step import init_state, make_loss_fn, make_train_step
 
 
-def make_batch(seed=0, batch=2, seq=32, vocab=263):
-    tokens = jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, vocab)
-    return {
-        "tokens": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "positions": jnp.tile(jnp.arange(seq), (batch, 1)),
-        "segment_ids": jnp.ones((batch, seq), jnp.int32),
-        "loss_mask": jnp.ones((batch, seq), jnp.float32),
-    }
+def one_document_rows(tokens: jax.Array) -> Batch:
+    """tokens [B, S + 1] -> rows of one document each: inputs, next tokens, loss everywhere."""
+    rows, seq = tokens.shape[0], tokens.shape[1] - 1
+    return make_batch(
+        tokens=tokens[:, :-1],
+        targets=tokens[:, 1:],
+        positions=jnp.tile(jnp.arange(seq), (rows, 1)),
+        segment_ids=jnp.ones((rows, seq), jnp.int32),
+        loss_mask=jnp.ones((rows, seq), jnp.float32),
+    )
+
+
+def random_batch(seed=0, batch=2, seq=32, vocab=263) -> Batch:
+    return one_document_rows(jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, vocab))
+
+
+def model_inputs(batch: Batch) -> tuple:
+    return batch.tokens, batch.positions, batch.segment_ids
 
 
 def setup(**sections):
@@ -46,10 +56,10 @@ def test_train_step_moves_router_bias_against_load():
     _, stats = model.apply(
         state["params"],
         state["buffers"],
-        *(make_batch()[k] for k in ("tokens", "positions", "segment_ids")),
+        *model_inputs(random_batch()),
     )
     load = np.asarray(stats[1].moe.load)[0]
-    new_state, _ = step(state, make_batch())
+    new_state, _ = step(state, random_batch())
     bias = np.asarray(new_state["buffers"]["stacks"][1]["layers"]["mlp"]["correction_bias"])[0]
     rate = run.model.moe.bias_update_rate
     expected = rate * np.clip((load.mean() - load) / load.mean(), -1, 1)
@@ -60,22 +70,22 @@ def test_train_step_moves_router_bias_against_load():
 def test_a_model_without_moe_trains_with_no_router_buffers():
     _, _, step, state = setup(model={"layer_types": ["full"] * 2,
                                      "mlp_layer_types": ["dense"] * 2})  # fmt: skip
-    new_state, metrics = step(state, make_batch())
+    new_state, metrics = step(state, random_batch())
     assert np.isfinite(metrics["loss"])
     assert jax.tree.structure(new_state["buffers"]) == jax.tree.structure(state["buffers"])
 
 
 def test_lm_loss_gives_the_indexer_no_gradient():
     model, run, _, state = setup()
-    batch = make_batch()
+    batch = random_batch()
 
     def loss(params):
         logits, _ = model.apply(
-            params, state["buffers"], batch["tokens"], batch["positions"], batch["segment_ids"]
+            params, state["buffers"], batch.tokens, batch.positions, batch.segment_ids
         )
         return (
             jax.nn.logsumexp(logits, -1).mean()
-            - jnp.take_along_axis(logits, batch["targets"][..., None], -1).mean()
+            - jnp.take_along_axis(logits, batch.targets[..., None], -1).mean()
         )
 
     grads = jax.grad(loss)(state["params"])
@@ -87,11 +97,9 @@ def test_lm_loss_gives_the_indexer_no_gradient():
 
 def test_padding_changes_neither_loss_nor_router_statistics():
     model, run, step, state = setup()
-    batch = make_batch(batch=1, seq=32)
-    padded = {k: jnp.concatenate([v, jnp.zeros_like(v[:, :8])], axis=1) for k, v in batch.items()}
-    padded["tokens"] = (
-        padded["tokens"].at[:, 32:].set(7)
-    )  # padding tokens: arbitrary ids, segment 0
+    batch = random_batch(batch=1, seq=32)
+    padded = jax.tree.map(lambda x: jnp.concatenate([x, jnp.zeros_like(x[:, :8])], axis=1), batch)
+    padded = padded._replace(tokens=padded.tokens.at[:, 32:].set(7))  # arbitrary ids, segment 0
     _, metrics = step(state, batch)
     _, padded_metrics = step(state, padded)
     np.testing.assert_allclose(padded_metrics["nll"], metrics["nll"], rtol=1e-5)
@@ -108,10 +116,10 @@ def test_capacity_dispatch_reports_the_dropped_fraction():
     _, stats = model.apply(
         state["params"],
         state["buffers"],
-        *(make_batch()[k] for k in ("tokens", "positions", "segment_ids")),
+        *model_inputs(random_batch()),
     )
     expected = float(np.asarray(stats[1].moe.dropped_fraction).mean())
-    _, metrics = step(state, make_batch())
+    _, metrics = step(state, random_batch())
     assert expected >= 0.5
     np.testing.assert_allclose(float(metrics["moe_dropped_fraction"]), expected, rtol=1e-6)
 
@@ -128,7 +136,7 @@ def test_chunked_lm_loss_gives_the_plain_logits_loss_and_gradients(monkeypatch):
     )
     model = functional(run.model)
     params, buffers = model.init(0)
-    batch, mode = make_batch(batch=3), ForwardMode()
+    batch, mode = random_batch(batch=3), ForwardMode()
     totals = loss_totals(batch, run.model.mtp.num_modules, parts=1)
 
     def loss_and_grad():
