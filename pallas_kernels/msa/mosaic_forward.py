@@ -104,7 +104,7 @@ def shared_bytes(
     """Shared memory of one program (`_scratch`): the forward's K, V, Q ring, P, output staging,
     key segment ids and row data; with a student (index_dim > 0) also the index-key block, the
     index-row ring and the LSE_z staging, and the larger of that and the KL pass' (K, index keys,
-    the two rings, P, the averaging matrix, row data and LSEs, the KL staging)."""
+    the two rings, P's two parts, the averaging matrix, row data and LSEs, the KL staging)."""
     rows, stages = tiling.rows, tiling.stages
     index_tiles = (block_size + stages * rows) * index_dim
     tiles = (2 * block_size + (stages + 1) * rows) * head_dim + rows * block_size + index_tiles
@@ -112,7 +112,7 @@ def shared_bytes(
     forward = tiles * itemsize + 4 * words
     if not index_dim:
         return forward
-    tiles = (block_size + stages * rows) * head_dim + rows * (block_size + rows) + index_tiles
+    tiles = (block_size + stages * rows) * head_dim + rows * (2 * block_size + rows) + index_tiles
     return max(forward, tiles * itemsize + 4 * (block_size + (4 * stages + 1) * rows))
 
 
@@ -325,11 +325,13 @@ def _rows(vector, shape):
     return jax.lax.broadcast_in_dim(vector, shape, [0])
 
 
-def _matmul(a, b, shape):
-    """a · b of shared-memory operands on wgmma, into a fresh fp32 accumulator of `shape`."""
+def _matmul(shape, *products):
+    """Σ a · b over the (a, b) pairs of shared-memory operands, on wgmma, into a fresh fp32
+    accumulator of `shape`."""
 
     def body(acc):
-        plgpu.wgmma(acc, a, b)
+        for a, b in products:
+            plgpu.wgmma(acc, a, b)
         return acc[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
@@ -475,11 +477,11 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 per_row = {name: [plgpu.load(smem[name].at[slot, c], layout=row_layout,
                                              optimized=False) for c in range(2)]
                            for name in row_operands}  # fmt: skip
-                logits = _matmul(smem["q"].at[slot], smem["k"].transpose((1, 0)), (rows, size))
+                logits = _matmul((rows, size), (smem["q"].at[slot], smem["k"].transpose((1, 0))))
                 visible = _visible(per_row["data"], slots, key_segs, logits.shape)
                 z, results = None, {}
                 if student:
-                    z = _matmul(smem["iq"].at[slot], smem["ik"].transpose((1, 0)), (rows, size))
+                    z = _matmul((rows, size), (smem["iq"].at[slot], smem["ik"].transpose((1, 0))))
                 if student and not kl:  # the forward: the block's LSE_z; z is done with
                     _, z_top, z_total = _softmax_block(index_scale, z, visible)
                     results["lse_z"] = _block_lse(z_top, z_total)
@@ -508,19 +510,24 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         probs, top, total = _softmax_block(geo.head_dim**-0.5, logits, visible)
         smem["p"][...] = probs.astype(dtype)  # the last chunk's P·V has read it
         plgpu.commit_smem()
-        out = _matmul(smem["p"], smem["v"], (rows, dim))
+        out = _matmul((rows, dim), (smem["p"], smem["v"]))
         seen = total > 0
         out = out * _rows(jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0), out.shape)
         return {"o": out.astype(dtype), "lse": _block_lse(top, total)}
 
     def _kl_chunk(smem, logits, visible, z, lse, lse_z):
         """The KL pass' per-row KL share of a chunk: P = exp(S·Dh^-½ - LSE) with the global LSE,
-        the teacher A·P on wgmma (P through shared memory), the student's log-probabilities."""
+        the teacher A·P on wgmma, the student's log-probabilities. P goes through shared memory
+        as a 16-bit high part and the rest (P_high + P_low holds P to ~16 bits, where P_high
+        alone, in bf16, put the KL ~1e-3 off the fp32 Triton kernels'); A is exact."""
         scaled = logits * (geo.head_dim**-0.5 * LOG2E) - _rows(lse * LOG2E, logits.shape)
         probs = jnp.where(visible, jnp.exp2(scaled), 0.0)
-        smem["p"][...] = probs.astype(dtype)  # the last chunk's teacher has read it
+        high = probs.astype(dtype)  # the last chunk's teacher has read both parts
+        smem["p"][...] = high
+        smem["p_low"][...] = (probs - high.astype(jnp.float32)).astype(dtype)
         plgpu.commit_smem()
-        teacher = _matmul(smem["average"], smem["p"], (rows, size))
+        average = smem["average"]
+        teacher = _matmul((rows, size), (average, smem["p"]), (average, smem["p_low"]))
         return _kl_rows(teacher, z * index_scale - _rows(lse_z, z.shape))
 
     def _store(smem, ref, results, start, valid_queries):
@@ -586,7 +593,7 @@ def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict
         chunk_copies += rows // TILE_ROWS
     if "lses" in operands:
         scratch.update(lses=plgpu.SMEM((stages, 2, rows), jnp.float32), average=tiles(rows, rows),
-                       average_bar=plgpu.Barrier(num_barriers=1))  # fmt: skip
+                       p_low=tiles(rows, size), average_bar=plgpu.Barrier(num_barriers=1))  # fmt: skip
     for name, out in outputs.items():
         if len(out.shape) == 2:
             scratch[f"{name}_out"] = tiles(rows, out.shape[1])
