@@ -1,4 +1,5 @@
-"""MSA sparse attention forward on Hopper GPUs in one Pallas Mosaic GPU kernel (no student).
+"""MSA sparse attention forward on Hopper GPUs in Pallas Mosaic GPU kernels: one pass without the
+indexer's student, and a second pass for its KL with one.
 
 Key-block-major like `forward_kernels.py`, but in one pass: per segment (one key block of one
 (row, kv head), `block_lists.py`) the block's K and V are TMA-copied into shared memory once; per
@@ -8,6 +9,22 @@ through shared memory: Mosaic GPU's interpreter takes no register operand for wg
 stores each row's o / l and lse_e = m + log l; an XLA combine over each query's k selections
 (`combine`) turns those into the output and the per-(query, head) LSE. The Triton path's separate
 LSE pass (a second Q·Kᵀ) is not needed.
+
+With a student (index_q [B, W, K, Di], index_k [B, S, Di]) the same kernel also computes the
+student's logits z = index_q·index_kᵀ on wgmma and stores their block-local LSE per row, lse_z_e
+(`combine` turns it into LSE_z per (query, kv head) as it does lse). A student row belongs to a
+(query, kv head), one per entry, but the rows of a wgmma tile are R ≥ 64: the index rows are laid
+out like the entry's Ge Q rows, each the entry's index row (`index_rows` repeats every index row
+8 times in GMEM, so one aligned TMA copy fills an 8-row tile; 8× index_q's bytes, where a
+per-entry gather would take k·Ge×), so z shares S's tile layout and mask and costs one more
+64-row wgmma, as much as zero-padding the entries to 64 rows would. The index keys are
+TMA-copied once per segment like K (`shifted_keys` of index_k). Then `kl_pass`, a second kernel
+over the same segments and chunks with the global LSEs per row (`row_lses`): S again, P = exp(S -
+LSE) per head, the teacher t = the group's mean as one wgmma A·P with a constant averaging matrix A
+[R, R] (a reduction across a tile's rows would cross threads and warps; P goes in two 16-bit parts
+for ~16-bit precision), z again, and per row Σ t·(log t - (z·Di^-½ - LSE_z)) where t > 0,
+stored per entry; `kl_sum` adds a query's k entries. That is the Triton forward pass minus its
+P·V (the Triton path pays its two Q·Kᵀ as well). The index operands enter the wgmma in q's dtype.
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
 entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
@@ -32,11 +49,12 @@ warpgroup, no warp specialisation yet).
 On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, top-16, S = 32K), the attention forward
 without a student took 14.3 ms against the Triton path's 28.4 (kernel 8.8 ms against 22.9 for
 the LSE and forward passes); at 128K, 58 ms against 119 (benchmarks/bench_msa.py
---forward-kernels).
+--forward-kernels). The student's kernels are checked on CPU only (interpreter, CUDA lowering).
 
 Outputs are o / l in q's dtype (normalised per block, so within V's range: bf16 keeps the
 kernel's store and the combine's read at half the bytes of fp32, and the Triton path's per-entry
-shares are q's dtype too) and lse_e in fp32 (the combine exponentiates differences of LSEs).
+shares are q's dtype too) and lse_e in fp32 (the combine exponentiates differences of LSEs); the
+student's lse_z_e and KL shares in fp32, one value per row (all rows of an entry alike).
 
 A chunk at the end of a block's list holds fewer than chunk_queries valid entries; the entries
 after them belong to the next block's list, whose program writes them. The last chunk of a list is
@@ -44,12 +62,13 @@ therefore stored query by query (one TMA copy of Ge rows each, under `pl.when`: 
 has no predicated copies), the others in one copy.
 
 Shapes: B batch, S sequence, H query heads, K kv heads, G = H // K, Ge = max(G, 8) rows per
-entry, Dh head dim, k selections per query, W queries per window, E = B·W·K·k entries, R =
-chunk_queries·Ge rows of a chunk, block = block_size keys.
+entry, Dh head dim, Di index head dim, k selections per query, W queries per window, E = B·W·K·k
+entries, R = chunk_queries·Ge rows of a chunk, block = block_size keys.
 """
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -337,14 +356,33 @@ def _matmul(shape, *products):
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
+class Walk(NamedTuple):
+    """The operands by which both kernels walk segments and chunks (`walk`)."""
+
+    table: jax.Array  # `segment_table`
+    num_segments: jax.Array  # [1]
+    entries: jax.Array  # [E] `BlockLists.entries`: ((b·W + i)·K + h)·k + j of each sorted entry
+    q_rows: jax.Array  # `presort`
+    row_data: jax.Array  # `presort`
+
+    def operands(self) -> dict:
+        """The kernels' first operands by name."""
+        return dict(table=self.table, count=self.num_segments, entries=self.entries,
+                    q=self.q_rows, data=self.row_data)  # fmt: skip
+
+
+def walk(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists, q, segment_ids,
+         offset) -> Walk:  # fmt: skip
+    """A window's `Walk` (arguments as `presort`'s)."""
+    table = segment_table(geo, lists, tiling.segment_chunks)
+    return Walk(table, lists.num_segments, lists.entries,
+                *presort(geo, lists, q, segment_ids, offset))  # fmt: skip
+
+
 def forward(
     geo: chunks.Geometry,
     tiling: Tiling,
-    table: jax.Array,
-    num_segments: jax.Array,
-    entries: jax.Array,
-    q_rows: jax.Array,
-    row_data: jax.Array,
+    chunk_walk: Walk,
     k: jax.Array,
     v: jax.Array,
     key_segments: jax.Array,
@@ -356,15 +394,13 @@ def forward(
     no key of the block; with a student also the block's LSE of the student's logits lse_z_e
     [E·Ge] fp32, alike on all rows of an entry, else None).
 
-    table: `segment_table`; num_segments: [1]; entries: [E] `BlockLists.entries` (the flat
-    selection ((b·W + i)·K + h)·k + j of each sorted entry); q_rows, row_data: `presort`; k, v,
-    key_segments: [8, N, K, Dh], [8, N, K, Dh], [8, N] from `shifted_keys`; student: (index rows
-    [B·W·K·8, Di] from `index_rows`, index keys [8, N, Di] from `shifted_keys`) or None.
+    chunk_walk: `walk`; k, v, key_segments: [8, N, K, Dh], [8, N, K, Dh], [8, N] from
+    `shifted_keys`; student: (index rows [B·W·K·8, Di] from `index_rows`, index keys [8, N, Di]
+    from `shifted_keys`) or None.
     """
-    operands = dict(table=table, count=num_segments, entries=entries, q=q_rows, data=row_data,
-                    k=k, kseg=key_segments, v=v)  # fmt: skip
+    operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, v=v)
     rows = geo.entries * entry_rows(geo.group)
-    outputs = dict(o=jax.ShapeDtypeStruct((rows, geo.head_dim), q_rows.dtype),
+    outputs = dict(o=jax.ShapeDtypeStruct((rows, geo.head_dim), chunk_walk.q_rows.dtype),
                    lse=jax.ShapeDtypeStruct((rows,), jnp.float32))  # fmt: skip
     if student is not None:
         operands.update(iq=student[0], ik=student[1])
@@ -376,11 +412,7 @@ def forward(
 def kl_pass(
     geo: chunks.Geometry,
     tiling: Tiling,
-    table: jax.Array,
-    num_segments: jax.Array,
-    entries: jax.Array,
-    q_rows: jax.Array,
-    row_data: jax.Array,
+    chunk_walk: Walk,
     k: jax.Array,
     key_segments: jax.Array,
     student: tuple[jax.Array, jax.Array],
@@ -391,9 +423,9 @@ def kl_pass(
     """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
     an entry), over the same segments and chunks as `forward`, given the global LSEs per row
     `lses` (`row_lses`); the other operands as `forward`'s."""
-    operands = dict(table=table, count=num_segments, entries=entries, q=q_rows, data=row_data,
-                    k=k, kseg=key_segments, iq=student[0], ik=student[1], lses=lses,
-                    average=averaging(geo, tiling, q_rows.dtype))  # fmt: skip
+    operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, iq=student[0],
+                    ik=student[1], lses=lses,
+                    average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
     outputs = dict(kl=jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32))
     return _launch(geo, tiling, operands, outputs, interpret)["kl"]
 
@@ -460,7 +492,8 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                                                 smem["iq"].at[slot, target], bar)  # fmt: skip
                 for name in row_operands:
                     plgpu.copy_gmem_to_smem(ref[name].at[:, pl.ds(start, rows)],
-                                            smem[name].at[slot], smem["data_bars"].at[slot])  # fmt: skip
+                                            smem[name].at[slot],
+                                            smem["data_bars"].at[slot])  # fmt: skip
 
             for chunk in range(stages):
                 pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
@@ -592,8 +625,12 @@ def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict
         scratch.update(ik=tiles(size, index_dim), iq=tiles(stages, rows, index_dim))
         chunk_copies += rows // TILE_ROWS
     if "lses" in operands:
-        scratch.update(lses=plgpu.SMEM((stages, 2, rows), jnp.float32), average=tiles(rows, rows),
-                       p_low=tiles(rows, size), average_bar=plgpu.Barrier(num_barriers=1))  # fmt: skip
+        scratch.update(
+            lses=plgpu.SMEM((stages, 2, rows), jnp.float32),
+            average=tiles(rows, rows),
+            p_low=tiles(rows, size),
+            average_bar=plgpu.Barrier(num_barriers=1),
+        )
     for name, out in outputs.items():
         if len(out.shape) == 2:
             scratch[f"{name}_out"] = tiles(rows, out.shape[1])

@@ -235,20 +235,18 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         geo, tiling = forward_geo, config.mosaic
         q, index_q, blocks, positions, offset = window
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
-        table = mosaic_forward.segment_table(geo, lists, tiling.segment_chunks)
-        q_rows, row_data = mosaic_forward.presort(geo, lists, q, segment_ids, offset)
+        chunk_walk = mosaic_forward.walk(geo, tiling, lists, q, segment_ids, offset)
         student = None
         if with_student:
             student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
-        operands = (table, lists.num_segments, lists.entries, q_rows, row_data)
-        o, lse_e, lse_z_e = mosaic_forward.forward(geo, tiling, *operands, *keys, student,
+        o, lse_e, lse_z_e = mosaic_forward.forward(geo, tiling, chunk_walk, *keys, student,
                                                    **kernels)  # fmt: skip
         out, lse, lse_z = mosaic_forward.combine(geo, lists, valid, o, lse_e, lse_z_e)
         kl = None
         if with_student:
             lses = mosaic_forward.row_lses(geo, lists, lse, lse_z)
-            kl_e = mosaic_forward.kl_pass(geo, tiling, *operands, keys[0], keys[2], student, lses,
-                                          **kernels)  # fmt: skip
+            kl_e = mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student,
+                                          lses, **kernels)  # fmt: skip
             kl = mosaic_forward.kl_sum(geo, lists, valid, kl_e)
         return out.astype(q.dtype), kl, lse, lse_z
 

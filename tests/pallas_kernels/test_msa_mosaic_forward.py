@@ -89,8 +89,9 @@ def test_forward_with_student_matches_reference(group, kv_heads):
     out, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index, config=mosaic(),
                                       interpret=True)  # fmt: skip
     f32 = [x.astype(jnp.float32) for x in (q, k, v, *index)]
-    expected, expected_kl = reference.sparse_attention(*f32[:3], blocks, segments, positions,
-                                                       block_size=BLOCK, student=f32[3:])  # fmt: skip
+    expected, expected_kl = reference.sparse_attention(
+        *f32[:3], blocks, segments, positions, block_size=BLOCK, student=f32[3:]
+    )
     assert out.dtype == q.dtype and kl.dtype == jnp.float32 and kl.shape == expected_kl.shape
     np.testing.assert_allclose(as_f32(out), as_f32(expected), atol=OUT_TOLERANCE)
     np.testing.assert_allclose(as_f32(kl), as_f32(expected_kl), atol=KL_TOLERANCE)
@@ -115,9 +116,9 @@ def gradients(config, q, k, v, blocks, segments, positions, index=None):
     return jax.grad(loss, argnums=tuple(range(len(operands))))(*operands)
 
 
-def assert_gradients_equal(got, expected):
-    assert len(got) == len(expected)
-    for got, expected in zip(got, expected):
+def assert_gradients_equal(gots, expecteds):
+    assert len(gots) == len(expecteds)
+    for got, expected in zip(gots, expecteds, strict=True):
         got, expected = as_f32(got), as_f32(expected)
         assert np.linalg.norm(got - expected) <= GRAD_RELATIVE * np.linalg.norm(expected)
 
