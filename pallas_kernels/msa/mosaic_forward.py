@@ -450,7 +450,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     index_scale = operands["iq"].shape[1] ** -0.5 if student else None
     direct = gathers_queries(geo.group)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    block_operands = [name for name in ("k", "kseg", "v", "ik") if name in operands]
+    block_operands = [name for name in ("k", "v", "kseg", "ik") if name in operands]
     row_operands = ["data", "lses"] if kl else ["data"]
 
     def kernel(*refs, **smem):
@@ -507,10 +507,10 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 slot = chunk % stages
                 plgpu.barrier_wait(smem["q_bars"].at[slot])
                 plgpu.barrier_wait(smem["data_bars"].at[slot])
+                logits = _matmul((rows, size), (smem["q"].at[slot], smem["k"].transpose((1, 0))))
                 per_row = {name: [plgpu.load(smem[name].at[slot, c], layout=row_layout,
                                              optimized=False) for c in range(2)]
                            for name in row_operands}  # fmt: skip
-                logits = _matmul((rows, size), (smem["q"].at[slot], smem["k"].transpose((1, 0))))
                 visible = _visible(per_row["data"], slots, key_segs, logits.shape)
                 z, results = None, {}
                 if student:
@@ -611,15 +611,15 @@ def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict
 
     direct = gathers_queries(geo.group)
     chunk_copies = geo.chunk_queries if direct else 1
-    scratch = dict(
-        k=tiles(size, geo.head_dim),
+    scratch = {"k": tiles(size, geo.head_dim)}
+    if "v" in operands:
+        scratch["v"] = tiles(size, geo.head_dim)
+    scratch.update(
         kseg=plgpu.SMEM((size,), jnp.int32),
         q=tiles(stages, rows, geo.head_dim),
         data=plgpu.SMEM((stages, 2, rows), jnp.int32),
         p=tiles(rows, size),
     )
-    if "v" in operands:
-        scratch["v"] = tiles(size, geo.head_dim)
     if "iq" in operands:
         index_dim = operands["iq"].shape[1]
         scratch.update(ik=tiles(size, index_dim), iq=tiles(stages, rows, index_dim))
