@@ -2,7 +2,7 @@
 the XLA path) checked, then timed.
 
     python -m benchmarks.bench_msa [--lengths 32768 131072] [--xla-up-to 32768] [--output f.md]
-        [--tilings rows=64,warps=4 ...] [--forward-kernels triton mosaic [--phases attn]]
+        [--tilings rows=64,warps=4 ...] [--forward-kernels triton mosaic [--phases attn attn-kl]]
 
 Checks first (fresh random inputs, NaN-poisoned memory freed just before each run, so unwritten
 outputs show): the kernels against the O(S²) reference in float32 at a short length, and against
@@ -14,10 +14,13 @@ step's attention work), bf16, batch 1, 64 query / 4 kv heads, head dim 128, 4 in
 blocks of 128, top-16. Reports the median time, compiled memory, TFLOP/s by the spec/msa.md §3 cost
 model and the ratio to cuDNN measured in the same run. The last stdout line is JSON.
 
-`--forward-kernels` adds the phase `attn`: the sparse attention forward alone, without a student,
-on a given selection, once per `Config.forward_kernel` (the Triton LSE + forward passes, the Mosaic
-GPU one-pass kernel), each first checked against the XLA path (output, and q, k, v gradients
-through the shared backward, which reads the forward's LSE).
+`--forward-kernels` adds the phases `attn` and `attn-kl` (unless `--phases` names one of them):
+the sparse attention forward alone on a given selection, without the student (`attn`) and with it
+(`attn-kl`: output and indexer KL, the forward of a training step in the sparse phase), once per
+`Config.forward_kernel` (the Triton LSE + forward passes; the Mosaic GPU one-pass kernel, with the
+student followed by its KL pass), each first checked against the XLA path (output, KL, and the
+gradients of q, k, v and both index projections through the shared backward, which reads the
+forward's LSE and LSE_z).
 """
 
 import argparse
@@ -34,6 +37,7 @@ from benchmarks import trace_summary
 from pallas_kernels.msa import pallas, reference, xla
 
 HEADS, KV_HEADS, HEAD_DIM, INDEX_DIM, BLOCK, TOPK = 64, 4, 128, 128, 128, 16
+ATTENTION_PHASES = ("attn", "attn-kl")  # the sparse attention forward alone: without, with student
 MSA = dict(block_size=BLOCK, topk_blocks=TOPK, local_blocks=1)
 
 
@@ -81,19 +85,24 @@ def msa_functions(name: str, module, **kwargs) -> dict:
 
 
 def attention_functions(kernels: list[str]) -> dict:
-    """The sparse attention forward without a student, on `blocks` selected beforehand, per
-    forward kernel: the kernels' own work, without the selection's."""
+    """The sparse attention forward on `blocks` selected beforehand, per forward kernel, without
+    the student (`attn`: the output) and with it (`attn-kl`: output and KL): the kernels' own
+    work, without the selection's."""
 
-    def forward_of(kernel: str):
+    def forward_of(kernel: str, with_student: bool):
         config = pallas.Config(forward_kernel=kernel)
 
-        def forward(q, k, v, blocks, segment_ids, positions, **_):
-            return pallas.sparse_attention(q, k, v, blocks, segment_ids, positions,
-                                           block_size=BLOCK, config=config)[0]  # fmt: skip
+        def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions):
+            out, kl = pallas.sparse_attention(
+                q, k, v, blocks, segment_ids, positions, block_size=BLOCK,
+                student=(index_q, index_k) if with_student else None, config=config,
+            )  # fmt: skip
+            return (out, kl) if with_student else out
 
         return forward
 
-    return {f"pallas[{kernel}] attn": forward_of(kernel) for kernel in kernels}
+    return {f"pallas[{kernel}] {phase}": forward_of(kernel, phase == "attn-kl")
+            for kernel in kernels for phase in ATTENTION_PHASES}  # fmt: skip
 
 
 def with_blocks(inputs: dict) -> dict:
@@ -103,41 +112,52 @@ def with_blocks(inputs: dict) -> dict:
     return {**inputs, "blocks": blocks}
 
 
-def compare_attention(kernels: list[str], seq: int = 8192 + 77, documents: int = 2) -> list:
-    """Each forward kernel's output and q, k, v gradients (no student) in bfloat16 vs the XLA path
-    in float32, relative errors; the XLA path's own bfloat16 errors for scale."""
+def compare_attention(
+    kernels: list[str], phases: list[str], seq: int = 8192 + 77, documents: int = 2
+) -> list:
+    """Per attention phase and forward kernel: output (and KL) and the gradients of q, k, v (and
+    both index projections) in bfloat16 vs the XLA path in float32, relative errors; the XLA
+    path's own bfloat16 errors for scale."""
     x = with_blocks(make_inputs(seq, seed=seq + documents, documents=documents))
     x32 = {name: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for name, a in x.items()}
     weights = jax.random.normal(jax.random.key(1), x["q"].shape, jnp.float32)
 
-    def values_and_grads(module, x, **kwargs):
-        def loss(q, k, v):
+    def values_and_grads(module, x, with_student, **kwargs):
+        def loss(q, k, v, *index):
             rows = (x["blocks"], x["segment_ids"], x["positions"])
-            out, _ = module.sparse_attention(q, k, v, *rows, block_size=BLOCK, **kwargs)
-            return (out.astype(jnp.float32) * weights).sum(), out
+            out, kl = module.sparse_attention(q, k, v, *rows, block_size=BLOCK,
+                                              student=index or None, **kwargs)  # fmt: skip
+            value = (out.astype(jnp.float32) * weights).sum()
+            return (value, out) if kl is None else (value + kl.sum(), (out, kl))
 
-        (_, out), grads = jax.jit(jax.value_and_grad(loss, range(3), has_aux=True))(
-            x["q"], x["k"], x["v"]
-        )
-        return (out, *grads)
+        names = ("q", "k", "v") + (("index_q", "index_k") if with_student else ())
+        loss_grad = jax.value_and_grad(loss, range(len(names)), has_aux=True)
+        (_, values), grads = jax.jit(loss_grad)(*(x[name] for name in names))
+        return (*(values if with_student else (values,)), *grads)
 
-    names = ("out", "dq", "dk", "dv")
-    expected = values_and_grads(xla, x32)
-    xla_errors = {f"xla_{n}": relative(g, e)
-                  for n, g, e in zip(names, values_and_grads(xla, x), expected)}  # fmt: skip
     checks = []
-    for kernel in kernels:
-        poison_memory()
-        try:
-            got = values_and_grads(pallas, x, config=pallas.Config(forward_kernel=kernel))
-            check = {"forward_kernel": kernel, "seq": seq, "documents": documents,
-                     "all_finite": all(bool(jnp.isfinite(a).all()) for a in got),
-                     **{n: relative(g, e) for n, g, e in zip(names, got, expected)},
-                     **xla_errors}  # fmt: skip
-        except Exception as e:  # a kernel that does not compile: report, keep going
-            check = {"forward_kernel": kernel, "seq": seq, "error": str(e).splitlines()[0][:300]}
-        checks.append(check)
-        print("check:", json.dumps(check), flush=True)
+    for phase in (phase for phase in ATTENTION_PHASES if phase in phases):
+        with_student = phase == "attn-kl"
+        names = ("out", "kl", "dq", "dk", "dv", "d_index_q", "d_index_k")
+        names = names if with_student else ("out", "dq", "dk", "dv")
+        expected = values_and_grads(xla, x32, with_student)
+        xla_errors = {f"xla_{n}": relative(g, e) for n, g, e
+                      in zip(names, values_and_grads(xla, x, with_student), expected)}  # fmt: skip
+        for kernel in kernels:
+            poison_memory()
+            try:
+                config = pallas.Config(forward_kernel=kernel)
+                got = values_and_grads(pallas, x, with_student, config=config)
+                check = {"phase": phase, "forward_kernel": kernel, "seq": seq,
+                         "documents": documents,
+                         "all_finite": all(bool(jnp.isfinite(a).all()) for a in got),
+                         **{n: relative(g, e) for n, g, e in zip(names, got, expected)},
+                         **xla_errors}  # fmt: skip
+            except Exception as e:  # a kernel that does not compile: report, keep going
+                check = {"phase": phase, "forward_kernel": kernel, "seq": seq,
+                         "error": str(e).splitlines()[0][:300]}  # fmt: skip
+            checks.append(check)
+            print("check:", json.dumps(check), flush=True)
     return checks
 
 
@@ -161,7 +181,8 @@ def flops(variant: str, seq: int) -> float:
     phase = variant.split()[-1]
     if variant.startswith("cudnn"):
         return dense if phase == "fwd" else 3.5 * dense  # backward ≈ 2.5× forward (FA2 convention)
-    return {"select": indexer, "attn": sparse, "fwd": indexer + sparse + student,
+    return {"select": indexer, "attn": sparse, "attn-kl": sparse + student,
+            "fwd": indexer + sparse + student,
             "fwd+bwd": indexer + 3.5 * sparse + 3 * student}[phase]  # fmt: skip
 
 
@@ -269,7 +290,7 @@ def wanted(variant: str, phases: list[str]) -> bool:
     selection, the forward and the attention forward alone)."""
     phase = variant.split()[-1]
     if variant == "cudnn fwd":
-        return bool({"fwd", "select", "attn"} & set(phases))
+        return bool({"fwd", "select", *ATTENTION_PHASES} & set(phases))
     return phase in phases
 
 
@@ -285,7 +306,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--forward-kernels", nargs="*", default=[], choices=["triton", "mosaic"],
-        help="also time the attention forward alone (phase attn, no student) per forward kernel",
+        help="also time the attention forward alone per forward kernel (phases attn: without "
+        "the student, attn-kl: with it)",
     )  # fmt: skip
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", help="profile the kernels' fwd+bwd at the last length here")
@@ -293,11 +315,13 @@ def main() -> None:
     args = parser.parse_args()
 
     configs = {text or "default": parse_tiling(text) for text in args.tilings}
-    phases = args.phases + (["attn"] if args.forward_kernels and "attn" not in args.phases else [])
+    phases = list(args.phases)
+    if args.forward_kernels and not set(ATTENTION_PHASES) & set(phases):
+        phases += ATTENTION_PHASES
     checks = []
     if args.forward_kernels and not args.skip_check:
-        checks += compare_attention(args.forward_kernels)
-    if not args.skip_check and set(phases) - {"attn"}:
+        checks += compare_attention(args.forward_kernels, phases)
+    if not args.skip_check and set(phases) - set(ATTENTION_PHASES):
         for text, config in list(configs.items())[:1]:  # the first tiling
             for expected, seq, dtype, documents in ((reference, 2000, jnp.bfloat16, 2),
                                                     (xla, 8192 + 77, jnp.bfloat16, 2)):  # fmt: skip
@@ -311,7 +335,8 @@ def main() -> None:
     rows, table = [], []
     for seq in args.lengths:
         inputs = make_inputs(seq)
-        blocked = with_blocks(inputs) if "attn" in phases else inputs  # the attn variants' inputs
+        attention = set(ATTENTION_PHASES) & set(phases)
+        blocked = with_blocks(inputs) if attention else inputs  # the attn variants' inputs
         variants = dict(cudnn_functions())
         if seq <= args.xla_up_to:
             variants.update(msa_functions("xla", xla))
@@ -324,7 +349,7 @@ def main() -> None:
             if not wanted(variant, phases):
                 continue
             try:
-                x = blocked if variant.endswith(" attn") else inputs
+                x = blocked if variant.split()[-1] in ATTENTION_PHASES else inputs
                 seconds, used = time_variant(fn, x, args.repeats)
             except Exception as e:  # e.g. out of memory: record it, keep going
                 message = str(e).splitlines()[0][:300]
@@ -334,7 +359,7 @@ def main() -> None:
             phase = variant.split()[-1]
             if variant.startswith("cudnn"):
                 baseline[phase] = seconds
-            base = "fwd" if phase in ("select", "attn") else phase
+            base = "fwd" if phase in ("select", *ATTENTION_PHASES) else phase
             ratio = baseline.get(base, float("nan")) / seconds
             row = {
                 "variant": variant,

@@ -1,4 +1,5 @@
-"""MSA sparse attention forward on Hopper GPUs in one Pallas Mosaic GPU kernel (no student).
+"""MSA sparse attention forward on Hopper GPUs in Pallas Mosaic GPU kernels: one pass without the
+indexer's student, and a second pass for its KL with one.
 
 Key-block-major like `forward_kernels.py`, but in one pass: per segment (one key block of one
 (row, kv head), `block_lists.py`) the block's K and V are TMA-copied into shared memory once; per
@@ -8,6 +9,22 @@ through shared memory: Mosaic GPU's interpreter takes no register operand for wg
 stores each row's o / l and lse_e = m + log l; an XLA combine over each query's k selections
 (`combine`) turns those into the output and the per-(query, head) LSE. The Triton path's separate
 LSE pass (a second Q·Kᵀ) is not needed.
+
+With a student (index_q [B, W, K, Di], index_k [B, S, Di]) the same kernel also computes the
+student's logits z = index_q·index_kᵀ on wgmma and stores their block-local LSE per row, lse_z_e
+(`combine` turns it into LSE_z per (query, kv head) as it does lse). A student row belongs to a
+(query, kv head), one per entry, but the rows of a wgmma tile are R ≥ 64: the index rows are laid
+out like the entry's Ge Q rows, each the entry's index row (`index_rows` repeats every index row
+8 times in GMEM, so one aligned TMA copy fills an 8-row tile; 8× index_q's bytes, where a
+per-entry gather would take k·Ge×), so z shares S's tile layout and mask and costs one more
+64-row wgmma, as much as zero-padding the entries to 64 rows would. The index keys are
+TMA-copied once per segment like K (`shifted_keys` of index_k). Then `kl_pass`, a second kernel
+over the same segments and chunks with the global LSEs per row (`row_lses`): S again, P = exp(S -
+LSE) per head, the teacher t = the group's mean as one wgmma A·P with a constant averaging matrix A
+[R, R] (a reduction across a tile's rows would cross threads and warps; P goes in two 16-bit parts
+for ~16-bit precision), z again, and per row Σ t·(log t - (z·Di^-½ - LSE_z)) where t > 0,
+stored per entry; `kl_sum` adds a query's k entries. That is the Triton forward pass minus its
+P·V (the Triton path pays its two Q·Kᵀ as well). The index operands enter the wgmma in q's dtype.
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
 entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
@@ -32,11 +49,12 @@ warpgroup, no warp specialisation yet).
 On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, top-16, S = 32K), the attention forward
 without a student took 14.3 ms against the Triton path's 28.4 (kernel 8.8 ms against 22.9 for
 the LSE and forward passes); at 128K, 58 ms against 119 (benchmarks/bench_msa.py
---forward-kernels).
+--forward-kernels). The student's kernels are checked on CPU only (interpreter, CUDA lowering).
 
 Outputs are o / l in q's dtype (normalised per block, so within V's range: bf16 keeps the
 kernel's store and the combine's read at half the bytes of fp32, and the Triton path's per-entry
-shares are q's dtype too) and lse_e in fp32 (the combine exponentiates differences of LSEs).
+shares are q's dtype too) and lse_e in fp32 (the combine exponentiates differences of LSEs); the
+student's lse_z_e and KL shares in fp32, one value per row (all rows of an entry alike).
 
 A chunk at the end of a block's list holds fewer than chunk_queries valid entries; the entries
 after them belong to the next block's list, whose program writes them. The last chunk of a list is
@@ -44,12 +62,13 @@ therefore stored query by query (one TMA copy of Ge rows each, under `pl.when`: 
 has no predicated copies), the others in one copy.
 
 Shapes: B batch, S sequence, H query heads, K kv heads, G = H // K, Ge = max(G, 8) rows per
-entry, Dh head dim, k selections per query, W queries per window, E = B·W·K·k entries, R =
-chunk_queries·Ge rows of a chunk, block = block_size keys.
+entry, Dh head dim, Di index head dim, k selections per query, W queries per window, E = B·W·K·k
+entries, R = chunk_queries·Ge rows of a chunk, block = block_size keys.
 """
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +86,7 @@ NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's r
 TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
 TABLE_COLUMNS = 7  # of `segment_table`
 SHARED_BYTES = 227 * 1024  # the H200's shared memory per program
+LOG2E, LN2 = math.log2(math.e), math.log(2)
 
 
 def entry_rows(group: int) -> int:
@@ -97,15 +117,29 @@ class Tiling:
         return self.rows // entry_rows(group)
 
 
-def shared_bytes(tiling: Tiling, head_dim: int, block_size: int, itemsize: int = 2) -> int:
-    """Shared memory of one program: K, V, the Q ring, P, the output staging, row data."""
-    tiles = (2 * block_size + (tiling.stages + 1) * tiling.rows) * head_dim
-    tiles += tiling.rows * block_size  # P
-    return tiles * itemsize + 4 * (block_size + (2 * tiling.stages + 1) * tiling.rows)
+def shared_bytes(
+    tiling: Tiling, head_dim: int, block_size: int, index_dim: int = 0, itemsize: int = 2
+) -> int:
+    """Shared memory of one program (`_scratch`): the forward's K, V, Q ring, P, output staging,
+    key segment ids and row data; with a student (index_dim > 0) also the index-key block, the
+    index-row ring and the LSE_z staging, and the larger of that and the KL pass' (K, index keys,
+    the two rings, P's two parts, the averaging matrix, row data and LSEs, the KL staging)."""
+    rows, stages = tiling.rows, tiling.stages
+    index_tiles = (block_size + stages * rows) * index_dim
+    tiles = (2 * block_size + (stages + 1) * rows) * head_dim + rows * block_size + index_tiles
+    words = block_size + (2 * stages + 1 + (index_dim > 0)) * rows
+    forward = tiles * itemsize + 4 * words
+    if not index_dim:
+        return forward
+    tiles = (block_size + stages * rows) * head_dim + rows * (2 * block_size + rows) + index_tiles
+    return max(forward, tiles * itemsize + 4 * (block_size + (4 * stages + 1) * rows))
 
 
-def unsupported_reason(dtype, group: int, head_dim: int, block_size: int, tiling: Tiling) -> str:
-    """Why the Mosaic kernel can't take these operands ('' when it can)."""
+def unsupported_reason(
+    dtype, group: int, head_dim: int, block_size: int, tiling: Tiling, index_dim: int = 0
+) -> str:
+    """Why the Mosaic kernels can't take these operands ('' when they can); index_dim: Di with a
+    student, 0 without."""
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
         return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16"
     if tiling.rows not in WARPGROUP_ROWS:
@@ -115,12 +149,16 @@ def unsupported_reason(dtype, group: int, head_dim: int, block_size: int, tiling
         return (
             f"mosaic rows={tiling.rows} are not a power-of-two number of queries of {group} heads"
         )
-    if head_dim % HEAD_DIM_MULTIPLE:
-        return f"head_dim={head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
+    for name, size in (("head_dim", head_dim), ("index_head_dim", index_dim)):
+        if size % HEAD_DIM_MULTIPLE:
+            return f"{name}={size} is not a multiple of {HEAD_DIM_MULTIPLE}"
     if block_size not in BLOCK_SIZES:
         return f"block_size={block_size} is not one of {BLOCK_SIZES}"
-    if (needed := shared_bytes(tiling, head_dim, block_size)) > SHARED_BYTES:
-        return f"head_dim={head_dim} needs {needed} bytes of shared memory (> {SHARED_BYTES})"
+    if (needed := shared_bytes(tiling, head_dim, block_size, index_dim)) > SHARED_BYTES:
+        return (
+            f"head_dim={head_dim}, index_head_dim={index_dim} need {needed} bytes of shared "
+            f"memory (> {SHARED_BYTES})"
+        )
     return ""
 
 
@@ -157,6 +195,12 @@ def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_c
     return jnp.stack(columns, axis=1).astype(jnp.int32)
 
 
+def _entry_pairs(geo: chunks.Geometry, lists: block_lists.BlockLists):
+    """(query b·W + i [E], kv head h [E]) of each sorted entry."""
+    query = lists.entries // (geo.num_kv_heads * geo.topk)
+    return query, (lists.entries // geo.topk) % geo.num_kv_heads
+
+
 def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids, offset):
     """The kernel's Q operand and row data [2, E·Ge + R] int32 (query's global slot, its segment
     id) in sorted entry order, Ge rows per entry, padded by one chunk so every chunk's copy is in
@@ -166,9 +210,7 @@ def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids,
 
     q: [B, W, H, Dh] the window's queries; segment_ids: [B, S]; offset: slot of query 0.
     """
-    per_query = geo.num_kv_heads * geo.topk
-    query = lists.entries // per_query  # b·W + i
-    head = (lists.entries // geo.topk) % geo.num_kv_heads
+    query, head = _entry_pairs(geo, lists)
     batch, index = query // geo.window, query % geo.window
     grouped = q.reshape(geo.batch * geo.window, geo.num_kv_heads, geo.group, geo.head_dim)
     per_entry, pad = entry_rows(geo.group), geo.chunk_queries
@@ -198,39 +240,94 @@ def shifted_keys(x: jax.Array, block_size: int) -> jax.Array:
     return jnp.stack([flat[s : s + flat.shape[0] - TILE_ROWS] for s in range(TILE_ROWS)])
 
 
-def combine(geo: chunks.Geometry, lists, valid, o, lse):
-    """Per-entry (o / l [E·G, Dh], lse_e [E·G]) -> (out [B, W, H, Dh] fp32, lse [B, W, K, G]):
-    lse = logsumexp over the query's k selections, out = Σ_j exp(lse_j - lse)·o_j; a (query,
-    head) that sees no key has lse = -inf and out = 0."""
+def index_rows(index_q: jax.Array, dtype) -> jax.Array:
+    """index_q [B, W, K, Di] -> [B·W·K·8, Di] in `dtype` (q's: the wgmma takes 16-bit operands):
+    each (query, kv head)'s row 8 times, so that the kernels fill each 8-row tile of an entry's
+    rows by one aligned TMA copy (8× index_q's bytes; gathering them per entry would take k·Ge)."""
+    flat = index_q.reshape(-1, index_q.shape[-1]).astype(dtype)
+    return jnp.repeat(flat, TILE_ROWS, axis=0)
+
+
+def row_lses(geo: chunks.Geometry, lists: block_lists.BlockLists, lse, lse_z) -> jax.Array:
+    """The KL pass' LSEs per row [2, E·Ge + R] fp32 in sorted entry order (padded like `presort`'s
+    row data): the global LSE of the row's (query, head) and LSE_z of its (query, kv head); 0 for
+    padding heads and where a row sees no key (-inf), which then no visible key reads.
+
+    lse: [B, W, K, G], lse_z: [B, W, K] from `combine`."""
+    query, head = _entry_pairs(geo, lists)
+    per_entry, pad = entry_rows(geo.group), geo.chunk_queries
+    heads = lse.reshape(-1, geo.num_kv_heads, geo.group)[query, head]
+    heads = jnp.pad(heads, [(0, pad), (0, per_entry - geo.group)])
+    index = jnp.pad(lse_z.reshape(-1, geo.num_kv_heads)[query, head], (0, pad))
+    rows = jnp.stack([heads.reshape(-1), jnp.repeat(index, per_entry)])
+    return jnp.where(jnp.isfinite(rows), rows, 0.0)
+
+
+def _selection_lse(geo: chunks.Geometry, lists, valid, lse, heads: int):
+    """Per-entry LSEs of the block [E·Ge] -> (those of the first `heads` rows at the selection
+    slots [B, W, K, k, heads], -inf where invalid; their logsumexp over k [B, W, K, heads])."""
+    shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
+    lse_j = block_lists.by_selection(lse.reshape(-1, entry_rows(geo.group))[:, :heads], lists,
+                                     shape)  # fmt: skip
+    lse_j = jnp.where(valid.reshape(*shape, 1), lse_j, -jnp.inf)
+    return lse_j, jax.nn.logsumexp(lse_j, axis=3)
+
+
+def combine(geo: chunks.Geometry, lists, valid, o, lse, lse_z=None):
+    """Per-entry (o / l [E·G, Dh], lse_e [E·G], lse_z_e [E·Ge] or None) -> (out [B, W, H, Dh]
+    fp32, lse [B, W, K, G], lse_z [B, W, K] or None): lse = logsumexp over the query's k
+    selections, out = Σ_j exp(lse_j - lse)·o_j, lse_z likewise; a (query, head) that sees no key
+    has lse = -inf and out = 0."""
     shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
     ok, per_entry, g = valid.reshape(*shape, 1), entry_rows(geo.group), geo.group
-    lse_j = block_lists.by_selection(lse.reshape(-1, per_entry)[:, :g], lists, shape)
-    lse_j = jnp.where(ok, lse_j, -jnp.inf)
-    total = jax.nn.logsumexp(lse_j, axis=3)
+    lse_j, total = _selection_lse(geo, lists, valid, lse, g)
     weights = jnp.exp(lse_j - jnp.where(jnp.isfinite(total), total, 0.0)[:, :, :, None])
     o_j = block_lists.by_selection(o.reshape(-1, per_entry, geo.head_dim)[:, :g], lists, shape)
     # unused slots were never written; an elementwise product and a sum over j fuse with the
     # gather into one pass (as an einsum, XLA transposed o_j for a dot first: 11 of the 31 ms
     # of the attention forward at S = 32K on the H200)
     shares = jnp.where(ok[..., None], weights[..., None] * o_j.astype(jnp.float32), 0.0)
-    out = shares.sum(axis=3)
-    return out.reshape(geo.batch, geo.window, geo.num_heads, geo.head_dim), total
+    out = shares.sum(axis=3).reshape(geo.batch, geo.window, geo.num_heads, geo.head_dim)
+    if lse_z is None:
+        return out, total, None
+    return out, total, _selection_lse(geo, lists, valid, lse_z, 1)[1][..., 0]
+
+
+def kl_sum(geo: chunks.Geometry, lists, valid, kl) -> jax.Array:
+    """Per-entry KL shares [E·Ge] -> the KL per (query, kv head) [B, W, K] fp32: the sum over the
+    query's k selections (invalid ones were never written)."""
+    shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
+    shares = block_lists.by_selection(kl.reshape(-1, entry_rows(geo.group))[:, 0], lists, shape)
+    return jnp.where(valid, shares, 0.0).sum(axis=3)
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernel
+# The kernels
 
 
-def _softmax_block(geo: chunks.Geometry, scores, visible):
-    """Logits [R, block] fp32 and their mask -> (P = exp(S·Dh^-½ - m) fp32, row max m, row sum
-    l), in base 2 (m in log2 units: exp2 of one fused multiply-add per element); rows that see
-    nothing get m = 0, l = 0, P = 0."""
-    log2e = math.log2(math.e)
-    scaled = jnp.where(visible, scores * (geo.head_dim**-0.5 * log2e), -jnp.inf)
+def _softmax_block(scale: float, scores, visible):
+    """Logits [R, block] fp32 (to be scaled by `scale`: Dh^-½, or Di^-½ for the student's) and
+    their mask -> (P = exp(S·scale - m) fp32, row max m, row sum l), in base 2 (m in log2 units:
+    exp2 of one fused multiply-add per element); rows that see nothing get m = 0, l = 0, P = 0."""
+    scaled = jnp.where(visible, scores * (scale * LOG2E), -jnp.inf)
     top = scaled.max(axis=1)
     top = jnp.where(top == -jnp.inf, 0.0, top)
     probs = jnp.exp2(scaled - jax.lax.broadcast_in_dim(top, scaled.shape, [0]))
     return probs, top, probs.sum(axis=1)
+
+
+def _block_lse(top, total):
+    """Row max m (log2 units) and row sum l -> the block's natural-log LSE, -inf where l = 0."""
+    seen = total > 0
+    return jnp.where(seen, (top + jnp.log2(jnp.where(seen, total, 1.0))) * LN2, -jnp.inf)
+
+
+def _kl_rows(teacher, log_student):
+    """Per row, Σ over the block's keys of t·(log t - log s) where t > 0 (t = 0 on the keys a
+    row does not see, so their student logits never count): teacher t [R, block] (the group's
+    mean, alike on all rows of an entry), log s = z·Di^-½ - LSE_z [R, block]."""
+    log_teacher = jnp.log2(jnp.maximum(teacher, 1e-30)) * LN2
+    return jnp.where(teacher > 0, teacher * (log_teacher - log_student), 0.0).sum(axis=1)
 
 
 def _visible(query_data, key_slots, key_segments, shape):
@@ -242,170 +339,306 @@ def _visible(query_data, key_slots, key_segments, shape):
         <= jax.lax.broadcast_in_dim(slot, shape, [0]))  # fmt: skip
 
 
+def _rows(vector, shape):
+    """A per-row vector [R] broadcast over a tile's columns."""
+    return jax.lax.broadcast_in_dim(vector, shape, [0])
+
+
+def _matmul(shape, *products):
+    """Σ a · b over the (a, b) pairs of shared-memory operands, on wgmma, into a fresh fp32
+    accumulator of `shape`."""
+
+    def body(acc):
+        for a, b in products:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+class Walk(NamedTuple):
+    """The operands by which both kernels walk segments and chunks (`walk`)."""
+
+    table: jax.Array  # `segment_table`
+    num_segments: jax.Array  # [1]
+    entries: jax.Array  # [E] `BlockLists.entries`: ((b·W + i)·K + h)·k + j of each sorted entry
+    q_rows: jax.Array  # `presort`
+    row_data: jax.Array  # `presort`
+
+    def operands(self) -> dict:
+        """The kernels' first operands by name."""
+        return dict(table=self.table, count=self.num_segments, entries=self.entries,
+                    q=self.q_rows, data=self.row_data)  # fmt: skip
+
+
+def walk(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists, q, segment_ids,
+         offset) -> Walk:  # fmt: skip
+    """A window's `Walk` (arguments as `presort`'s)."""
+    table = segment_table(geo, lists, tiling.segment_chunks)
+    return Walk(table, lists.num_segments, lists.entries,
+                *presort(geo, lists, q, segment_ids, offset))  # fmt: skip
+
+
 def forward(
     geo: chunks.Geometry,
     tiling: Tiling,
-    table: jax.Array,
-    num_segments: jax.Array,
-    entries: jax.Array,
-    q_rows: jax.Array,
-    row_data: jax.Array,
+    chunk_walk: Walk,
     k: jax.Array,
     v: jax.Array,
     key_segments: jax.Array,
+    student: tuple[jax.Array, jax.Array] | None = None,
     *,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Per sorted entry: (o / l [E·Ge, Dh] in q's dtype, lse_e [E·Ge] fp32, -inf for rows that see
-    no key of the block).
+    no key of the block; with a student also the block's LSE of the student's logits lse_z_e
+    [E·Ge] fp32, alike on all rows of an entry, else None).
 
-    table: `segment_table`; num_segments: [1]; entries: [E] `BlockLists.entries` (the flat
-    selection ((b·W + i)·K + h)·k + j of each sorted entry); q_rows, row_data: `presort`; k, v,
-    key_segments: [8, N, K, Dh], [8, N, K, Dh], [8, N] from `shifted_keys`.
+    chunk_walk: `walk`; k, v, key_segments: [8, N, K, Dh], [8, N, K, Dh], [8, N] from
+    `shifted_keys`; student: (index rows [B·W·K·8, Di] from `index_rows`, index keys [8, N, Di]
+    from `shifted_keys`) or None.
     """
+    operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, v=v)
+    rows = geo.entries * entry_rows(geo.group)
+    outputs = dict(o=jax.ShapeDtypeStruct((rows, geo.head_dim), chunk_walk.q_rows.dtype),
+                   lse=jax.ShapeDtypeStruct((rows,), jnp.float32))  # fmt: skip
+    if student is not None:
+        operands.update(iq=student[0], ik=student[1])
+        outputs["lse_z"] = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    results = _launch(geo, tiling, operands, outputs, interpret)
+    return results["o"], results["lse"], results.get("lse_z")
+
+
+def kl_pass(
+    geo: chunks.Geometry,
+    tiling: Tiling,
+    chunk_walk: Walk,
+    k: jax.Array,
+    key_segments: jax.Array,
+    student: tuple[jax.Array, jax.Array],
+    lses: jax.Array,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
+    an entry), over the same segments and chunks as `forward`, given the global LSEs per row
+    `lses` (`row_lses`); the other operands as `forward`'s."""
+    operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, iq=student[0],
+                    ik=student[1], lses=lses,
+                    average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
+    outputs = dict(kl=jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32))
+    return _launch(geo, tiling, operands, outputs, interpret)["kl"]
+
+
+def averaging(geo: chunks.Geometry, tiling: Tiling, dtype) -> jax.Array:
+    """[R, R]: row r of A averages the G real rows of r's entry (1/G each, exact in 16 bits), so
+    that the teacher A·P, the group's mean probability, is one wgmma on P in shared memory (a
+    reduction across the rows of a wgmma tile would cross threads and warps)."""
+    per_entry, rows = entry_rows(geo.group), jnp.arange(tiling.rows)
+    same = rows[:, None] // per_entry == rows[None, :] // per_entry
+    real = rows[None, :] % per_entry < geo.group
+    return jnp.where(same & real, 1.0 / geo.group, 0.0).astype(dtype)
+
+
+def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
+    """One persistent kernel over the segments -> its outputs by name. The forward has operand
+    v (P·V; outputs o, lse); the KL pass has lses and average (output kl); index rows and keys
+    (iq, ik) add the student's logits z = index_q·index_kᵀ (the forward's output lse_z)."""
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
-    queries, stages, dtype = geo.chunk_queries, tiling.stages, q_rows.dtype
-    programs = num_programs(tiling)
+    queries, stages, dtype = geo.chunk_queries, tiling.stages, operands["q"].dtype
+    student, kl = "iq" in operands, "lses" in operands
+    index_scale = operands["iq"].shape[1] ** -0.5 if student else None
     direct = gathers_queries(geo.group)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    block_operands = [name for name in ("k", "v", "kseg", "ik") if name in operands]
+    row_operands = ["data", "lses"] if kl else ["data"]
 
-    def kernel(table_ref, count_ref, entries_ref, q_ref, data_ref, k_ref, v_ref, kseg_ref, o_ref,
-               lse_ref, k_smem, v_smem, kseg_smem, q_smem, data_smem, p_smem, o_smem, lse_smem,
-               key_bars, q_bars, data_bars):  # fmt: skip
+    def kernel(*refs, **smem):
+        ref = dict(zip([*operands, *outputs], refs))
+        if kl:  # the averaging matrix, once per program
+            plgpu.copy_gmem_to_smem(ref["average"], smem["average"], smem["average_bar"].at[0])
+            plgpu.barrier_wait(smem["average_bar"].at[0])
+
         def segment_body(index, part):
             del part  # whole blocks
             first, count, tile, shift, key_slot, row_start, head = (
-                table_ref[index, column] for column in range(TABLE_COLUMNS)
+                ref["table"][index, column] for column in range(TABLE_COLUMNS)
             )
             num_chunks = (count + queries - 1) // queries
             keys = (shift, pl.ds(tile * TILE_ROWS, size), head)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, key_bars.at[0])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, key_bars.at[1])
-            plgpu.copy_gmem_to_smem(kseg_ref.at[keys[:2]], kseg_smem, key_bars.at[2])
+            for bar, name in enumerate(block_operands):  # [8, N, K, D] per head, else [8, N, ...]
+                source = ref[name].at[keys if name in ("k", "v") else keys[:2]]
+                plgpu.copy_gmem_to_smem(source, smem[name], smem["key_bars"].at[bar])
 
             def fetch(chunk):
                 slot, start = chunk % stages, (first + chunk * queries) * group
-                if direct:  # each entry's G rows from q (entries past the list: never stored)
-                    for query in range(queries):
-                        position = jnp.minimum(first + chunk * queries + query, geo.entries - 1)
-                        row = entries_ref[position] // geo.topk * group  # ((b·W + i)·K + h)·G
-                        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row, group)],
-                                                q_smem.at[slot, pl.ds(query * group, group)],
-                                                q_bars.at[slot])  # fmt: skip
+                bar = smem["q_bars"].at[slot]
+                # (b·W + i)·K + h of each entry (entries past the list: never stored)
+                pairs = [ref["entries"][jnp.minimum(first + chunk * queries + query,
+                                                    geo.entries - 1)] // geo.topk
+                         for query in range(queries if direct or student else 0)]  # fmt: skip
+                if direct:  # each entry's G rows from q
+                    for query, pair in enumerate(pairs):
+                        plgpu.copy_gmem_to_smem(ref["q"].at[pl.ds(pair * group, group)],
+                                                smem["q"].at[slot, pl.ds(query * group, group)],
+                                                bar)  # fmt: skip
                 else:
-                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, rows)], q_smem.at[slot],
-                                            q_bars.at[slot])  # fmt: skip
-                plgpu.copy_gmem_to_smem(data_ref.at[:, pl.ds(start, rows)], data_smem.at[slot],
-                                        data_bars.at[slot])  # fmt: skip
+                    plgpu.copy_gmem_to_smem(ref["q"].at[pl.ds(start, rows)], smem["q"].at[slot],
+                                            bar)  # fmt: skip
+                for query, pair in enumerate(pairs if student else []):  # a tile of 8 per copy
+                    for part in range(group // TILE_ROWS):
+                        target = pl.ds(query * group + part * TILE_ROWS, TILE_ROWS)
+                        plgpu.copy_gmem_to_smem(ref["iq"].at[pl.ds(pair * TILE_ROWS, TILE_ROWS)],
+                                                smem["iq"].at[slot, target], bar)  # fmt: skip
+                for name in row_operands:
+                    plgpu.copy_gmem_to_smem(ref[name].at[:, pl.ds(start, rows)],
+                                            smem[name].at[slot],
+                                            smem["data_bars"].at[slot])  # fmt: skip
 
             for chunk in range(stages):
                 pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
-            for bar in range(3):
-                plgpu.barrier_wait(key_bars.at[bar])
+            for bar in range(len(block_operands)):
+                plgpu.barrier_wait(smem["key_bars"].at[bar])
             slots = key_slot + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=col_layout)
             slots = jnp.where(slots >= row_start, slots, NOT_VISIBLE)
-            key_segs = plgpu.load(kseg_smem, layout=col_layout, optimized=False)
+            key_segs = plgpu.load(smem["kseg"], layout=col_layout, optimized=False)
 
             def chunk_body(chunk, carry):
                 slot = chunk % stages
-                plgpu.barrier_wait(q_bars.at[slot])
-                plgpu.barrier_wait(data_bars.at[slot])
-
-                def scores(acc):
-                    plgpu.wgmma(acc, q_smem.at[slot], k_smem.transpose((1, 0)))
-                    return acc[...]
-
-                logits = pl.run_scoped(scores, plgpu.ACC((rows, size), jnp.float32))
-                query_data = [plgpu.load(data_smem.at[slot, c], layout=row_layout,
-                                         optimized=False) for c in range(2)]  # fmt: skip
-                # every warp's wgmma has read the slot's Q and its loads its row data (a
-                # warpgroup barrier; the proxy fence orders those reads before the TMA writes)
+                plgpu.barrier_wait(smem["q_bars"].at[slot])
+                plgpu.barrier_wait(smem["data_bars"].at[slot])
+                logits = _matmul((rows, size), (smem["q"].at[slot], smem["k"].transpose((1, 0))))
+                per_row = {name: [plgpu.load(smem[name].at[slot, c], layout=row_layout,
+                                             optimized=False) for c in range(2)]
+                           for name in row_operands}  # fmt: skip
+                visible = _visible(per_row["data"], slots, key_segs, logits.shape)
+                z, results = None, {}
+                if student:
+                    z = _matmul((rows, size), (smem["iq"].at[slot], smem["ik"].transpose((1, 0))))
+                if student and not kl:  # the forward: the block's LSE_z; z is done with
+                    _, z_top, z_total = _softmax_block(index_scale, z, visible)
+                    results["lse_z"] = _block_lse(z_top, z_total)
+                # every warp's wgmmas have read the slot's Q and index rows and its loads its row
+                # data (a warpgroup barrier; the proxy fence orders those reads before the TMA
+                # writes)
                 plgpu.commit_smem()
                 pl.when(chunk + stages < num_chunks)(lambda: fetch(chunk + stages))
-                visible = _visible(query_data, slots, key_segs, logits.shape)
-                probs, top, total = _softmax_block(geo, logits, visible)
-
-                p_smem[...] = probs.astype(dtype)  # the last chunk's P·V has read it
-                plgpu.commit_smem()
-
-                def values(acc):
-                    plgpu.wgmma(acc, p_smem, v_smem)
-                    return acc[...]
-
-                out = pl.run_scoped(values, plgpu.ACC((rows, dim), jnp.float32))
-                seen = total > 0
-                scale = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
-                out = out * jax.lax.broadcast_in_dim(scale, out.shape, [0])
-                lse = jnp.where(seen, (top + jnp.log2(jnp.where(seen, total, 1.0))) * math.log(2),
-                                -jnp.inf)  # fmt: skip
-                _store(
-                    o_smem,
-                    lse_smem,
-                    o_ref,
-                    lse_ref,
-                    out.astype(dtype),
-                    lse,
-                    (first + chunk * queries) * group,
-                    count - chunk * queries,
-                )
+                if kl:
+                    results["kl"] = _kl_chunk(smem, logits, visible, z, *per_row["lses"])
+                else:
+                    results.update(_attention_chunk(smem, logits, visible))
+                _store(smem, ref, results, (first + chunk * queries) * group,
+                       count - chunk * queries)  # fmt: skip
                 return carry
 
             jax.lax.fori_loop(0, num_chunks, chunk_body, 0)
 
         program = jax.lax.axis_index("sm")
-        chunks.for_each_segment((None,) * 4 + (count_ref,), segment_body,
-                                grid=(program, programs))  # fmt: skip
+        chunks.for_each_segment((None,) * 4 + (ref["count"],), segment_body,
+                                grid=(program, num_programs(tiling)))  # fmt: skip
         plgpu.wait_smem_to_gmem(0)
 
-    def _store(o_smem, lse_smem, o_ref, lse_ref, out, lse, start, valid_queries):
+    def _attention_chunk(smem, logits, visible):
+        """The forward's per-row results of a chunk: o / l (P·V on wgmma) and the block's LSE."""
+        probs, top, total = _softmax_block(geo.head_dim**-0.5, logits, visible)
+        smem["p"][...] = probs.astype(dtype)  # the last chunk's P·V has read it
+        plgpu.commit_smem()
+        out = _matmul((rows, dim), (smem["p"], smem["v"]))
+        seen = total > 0
+        out = out * _rows(jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0), out.shape)
+        return {"o": out.astype(dtype), "lse": _block_lse(top, total)}
+
+    def _kl_chunk(smem, logits, visible, z, lse, lse_z):
+        """The KL pass' per-row KL share of a chunk: P = exp(S·Dh^-½ - LSE) with the global LSE,
+        the teacher A·P on wgmma, the student's log-probabilities. P goes through shared memory
+        as a 16-bit high part and the rest (P_high + P_low holds P to ~16 bits, where P_high
+        alone, in bf16, put the KL ~1e-3 off the fp32 Triton kernels'); A is exact."""
+        scaled = logits * (geo.head_dim**-0.5 * LOG2E) - _rows(lse * LOG2E, logits.shape)
+        probs = jnp.where(visible, jnp.exp2(scaled), 0.0)
+        high = probs.astype(dtype)  # the last chunk's teacher has read both parts
+        smem["p"][...] = high
+        smem["p_low"][...] = (probs - high.astype(jnp.float32)).astype(dtype)
+        plgpu.commit_smem()
+        average = smem["average"]
+        teacher = _matmul((rows, size), (average, smem["p"]), (average, smem["p_low"]))
+        return _kl_rows(teacher, z * index_scale - _rows(lse_z, z.shape))
+
+    def _store(smem, ref, results, start, valid_queries):
         """Stage a chunk's rows in shared memory and TMA-store its valid queries' rows."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores have read
-        o_smem[...] = out
-        lse_smem[...] = lse
+        for name, value in results.items():
+            smem[f"{name}_out"][...] = value
         plgpu.commit_smem()
         whole = valid_queries >= queries
 
         @pl.when(whole)
         def _():
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(start, rows)], commit_group=False)
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[pl.ds(start, rows)], commit_group=False)
+            for name in results:
+                plgpu.copy_smem_to_gmem(smem[f"{name}_out"], ref[name].at[pl.ds(start, rows)],
+                                        commit_group=False)  # fmt: skip
 
         for query in range(queries):  # a list's last chunk: query by query
 
             @pl.when(~whole & (query < valid_queries))
             def _(query=query):
                 some, target = pl.ds(query * group, group), pl.ds(start + query * group, group)
-                plgpu.copy_smem_to_gmem(o_smem.at[some], o_ref.at[target], commit_group=False)
-                plgpu.copy_smem_to_gmem(lse_smem.at[some], lse_ref.at[target],
-                                        commit_group=False)  # fmt: skip
+                for name in results:
+                    plgpu.copy_smem_to_gmem(smem[f"{name}_out"].at[some], ref[name].at[target],
+                                            commit_group=False)  # fmt: skip
 
         plgpu.commit_smem_to_gmem_group()
 
-    out_rows = geo.entries * group
-    scratch = (
-        plgpu.SMEM((size, dim), dtype, transforms=swizzled(dim, dtype)),
-        plgpu.SMEM((size, dim), dtype, transforms=swizzled(dim, dtype)),
-        plgpu.SMEM((size,), jnp.int32),
-        plgpu.SMEM((stages, rows, dim), dtype, transforms=swizzled(dim, dtype)),
-        plgpu.SMEM((stages, 2, rows), jnp.int32),
-        plgpu.SMEM((rows, size), dtype, transforms=swizzled(size, dtype)),
-        plgpu.SMEM((rows, dim), dtype, transforms=swizzled(dim, dtype)),
-        plgpu.SMEM((rows,), jnp.float32),
-        plgpu.Barrier(num_barriers=3),
-        plgpu.Barrier(num_arrivals=queries if direct else 1, num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-    )
     run = plgpu.kernel(
         kernel,
-        out_type=(
-            jax.ShapeDtypeStruct((out_rows, dim), dtype),
-            jax.ShapeDtypeStruct((out_rows,), jnp.float32),
-        ),  # fmt: skip
-        scratch_types=scratch,
-        grid=(programs,),
+        out_type=tuple(outputs.values()),
+        scratch_types=_scratch(geo, tiling, operands, outputs, len(block_operands)),
+        grid=(num_programs(tiling),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # Mosaic GPU's own interpreter (CPU tests); Pallas' generic one knows no TMA or wgmma
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return run(table, num_segments, entries, q_rows, row_data, k, v, key_segments)
+    return dict(zip(outputs, run(*operands.values())))
+
+
+def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, key_copies: int):
+    """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the same): the
+    block's operands, the rings of chunk operands, P, the output staging `<output>_out`."""
+    rows, size, stages, dtype = tiling.rows, geo.block_size, tiling.stages, operands["q"].dtype
+
+    def tiles(*shape):
+        return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-1], dtype))
+
+    direct = gathers_queries(geo.group)
+    chunk_copies = geo.chunk_queries if direct else 1
+    scratch = {"k": tiles(size, geo.head_dim)}
+    if "v" in operands:
+        scratch["v"] = tiles(size, geo.head_dim)
+    scratch.update(
+        kseg=plgpu.SMEM((size,), jnp.int32),
+        q=tiles(stages, rows, geo.head_dim),
+        data=plgpu.SMEM((stages, 2, rows), jnp.int32),
+        p=tiles(rows, size),
+    )
+    if "iq" in operands:
+        index_dim = operands["iq"].shape[1]
+        scratch.update(ik=tiles(size, index_dim), iq=tiles(stages, rows, index_dim))
+        chunk_copies += rows // TILE_ROWS
+    if "lses" in operands:
+        scratch.update(
+            lses=plgpu.SMEM((stages, 2, rows), jnp.float32),
+            average=tiles(rows, rows),
+            p_low=tiles(rows, size),
+            average_bar=plgpu.Barrier(num_barriers=1),
+        )
+    for name, out in outputs.items():
+        if len(out.shape) == 2:
+            scratch[f"{name}_out"] = tiles(rows, out.shape[1])
+        else:
+            scratch[f"{name}_out"] = plgpu.SMEM((rows,), out.dtype)
+    scratch.update(
+        key_bars=plgpu.Barrier(num_barriers=key_copies),
+        q_bars=plgpu.Barrier(num_arrivals=chunk_copies, num_barriers=stages),
+        data_bars=plgpu.Barrier(num_arrivals=2 if "lses" in operands else 1, num_barriers=stages),
+    )
+    return scratch

@@ -6,10 +6,11 @@
   over the selection inverted
   by one sort (block_lists.py), forward and backward, with the indexer's KL and its gradients into
   the index projections; a custom VJP ties them together. `Config.forward_kernel="mosaic"` runs
-  the forward without a student in one Mosaic GPU kernel instead (mosaic_forward.py); with a
-  student (the indexer's KL) the forward stays on the Triton kernels, and the backward is the
-  Triton one either way (both forwards leave it the same LSE residual). Queries go in windows of
-  at most `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
+  the forward on Mosaic GPU kernels instead (mosaic_forward.py): one pass without a student;
+  with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL.
+  The backward is the Triton one either way (every forward leaves it the same LSE and LSE_z
+  residuals). Queries go in windows of at most `max_window` so that the per-entry shares stay
+  within `partial_bytes` of memory.
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
 
 The other kernels are written for the Triton lowering of Pallas (a stepping stone towards Mosaic
@@ -56,13 +57,14 @@ class Config:
     )
     selection: selection_kernel.Tiling = selection_kernel.Tiling()
     partial_bytes: int = 4 << 30  # memory for the per-entry output shares of one window
-    # "triton": LSE pass + forward pass; "mosaic": one Mosaic GPU kernel (without a student only)
+    # "triton": LSE pass + forward pass; "mosaic": the Mosaic GPU forward (+ KL pass)
     forward_kernel: str = "triton"
     mosaic: mosaic_forward.Tiling = mosaic_forward.Tiling()
 
-    def uses_mosaic(self, with_student: bool) -> bool:
-        """Whether the forward runs the Mosaic kernel: it has no indexer KL (student) yet."""
-        return self.forward_kernel == "mosaic" and not with_student
+    @property
+    def uses_mosaic(self) -> bool:
+        """Whether the forward runs the Mosaic GPU kernels (with or without a student)."""
+        return self.forward_kernel == "mosaic"
 
 
 def _power_of_two(n: int) -> bool:
@@ -85,9 +87,10 @@ def unsupported_reason(
     group, index_heads = q.shape[2] // k.shape[2], index_q.shape[2]
     if config.forward_kernel not in ("triton", "mosaic"):
         return f"forward_kernel={config.forward_kernel!r} is not 'triton' or 'mosaic'"
-    if config.uses_mosaic(index_q is not q):
+    if config.uses_mosaic:
+        index_dim = 0 if index_q is q else index_q.shape[3]
         reason = mosaic_forward.unsupported_reason(
-            q.dtype, group, q.shape[3], block_size, config.mosaic
+            q.dtype, group, q.shape[3], block_size, config.mosaic, index_dim
         )
         if reason:
             return f"Mosaic forward: {reason}"
@@ -164,7 +167,7 @@ def sparse_attention(
     # per-entry shares of a window: the output's (forward), key_split copies of dq's (backward)
     copies = max(1, config.backward.key_split)
     per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize * copies
-    forward_tiling = config.mosaic if config.uses_mosaic(student is not None) else config.forward
+    forward_tiling = config.mosaic if config.uses_mosaic else config.forward
     forward_geo, backward_geo = (
         chunks.Geometry(
             batch=batch,
@@ -213,7 +216,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     geometries differ only in their chunks' queries)."""
     kernels = dict(interpret=interpret)
     geo = forward_geo
-    mosaic = config.uses_mosaic(with_student)
+    mosaic = config.uses_mosaic
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
 
     def lists_of(geo, tiling, blocks, positions, offset):
@@ -226,17 +229,26 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         values = block_lists.by_selection(per_entry, lists, selection_shape)
         return jnp.where(valid.reshape(*selection_shape, *[1] * (values.ndim - 4)), values, fill)
 
-    def mosaic_window(keys, segment_ids, window):
-        """The one-kernel forward of a window (no student): presort, kernel, combine."""
+    def mosaic_window(keys, index_keys, segment_ids, window):
+        """The Mosaic forward of a window: presort, kernel, combine; with a student then the KL
+        pass on the combined LSEs, its shares summed per query."""
         geo, tiling = forward_geo, config.mosaic
-        q, _, blocks, positions, offset = window
+        q, index_q, blocks, positions, offset = window
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
-        table = mosaic_forward.segment_table(geo, lists, tiling.segment_chunks)
-        q_rows, row_data = mosaic_forward.presort(geo, lists, q, segment_ids, offset)
-        o, lse_e = mosaic_forward.forward(geo, tiling, table, lists.num_segments, lists.entries,
-                                          q_rows, row_data, *keys, **kernels)  # fmt: skip
-        out, lse = mosaic_forward.combine(geo, lists, valid, o, lse_e)
-        return out.astype(q.dtype), None, lse, None
+        chunk_walk = mosaic_forward.walk(geo, tiling, lists, q, segment_ids, offset)
+        student = None
+        if with_student:
+            student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
+        o, lse_e, lse_z_e = mosaic_forward.forward(geo, tiling, chunk_walk, *keys, student,
+                                                   **kernels)  # fmt: skip
+        out, lse, lse_z = mosaic_forward.combine(geo, lists, valid, o, lse_e, lse_z_e)
+        kl = None
+        if with_student:
+            lses = mosaic_forward.row_lses(geo, lists, lse, lse_z)
+            kl_e = mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student,
+                                          lses, **kernels)  # fmt: skip
+            kl = mosaic_forward.kl_sum(geo, lists, valid, kl_e)
+        return out.astype(q.dtype), kl, lse, lse_z
 
     def forward_window(k, v, index_k, segments, window):
         geo, tiling = forward_geo, config.forward
@@ -271,13 +283,11 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             windows.offsets,
         )
         if mosaic:
-            keys = (
-                mosaic_forward.shifted_keys(k, geo.block_size),
-                mosaic_forward.shifted_keys(v, geo.block_size),
-                mosaic_forward.shifted_keys(segment_ids.astype(jnp.int32), geo.block_size),
-            )
+            shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
+            keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))
+            index_keys = shifted(index_k.astype(q.dtype)) if with_student else None
             out, kl, lse, lse_z = jax.lax.map(
-                lambda window: mosaic_window(keys, segment_ids, window), xs
+                lambda window: mosaic_window(keys, index_keys, segment_ids, window), xs
             )
         else:
             out, kl, lse, lse_z = jax.lax.map(

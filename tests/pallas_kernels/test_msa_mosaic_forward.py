@@ -1,10 +1,13 @@
-"""The Mosaic GPU MSA forward (`Config.forward_kernel="mosaic"`, no student), run by Mosaic GPU's
-interpreter on CPU, against the O(S²) reference; its LSE residual through the shared Triton
-backward; its lowering for CUDA, which needs no GPU.
+"""The Mosaic GPU MSA forward (`Config.forward_kernel="mosaic"`), with and without the indexer's
+student, run by Mosaic GPU's interpreter on CPU, against the O(S²) reference (out, KL); its LSE
+and LSE_z residuals through the shared Triton backward (gradients equal to the Triton forward's);
+its lowering for CUDA, which needs no GPU.
 
 Random bf16 inputs: row 0 packs a document of 150 slots and one of 147 starting mid-block, then 3
 padding slots; row 1 is one document; S = 300 is not a multiple of the 128-key block; early
-queries have fewer than k valid blocks (-1). Segments of two chunks, so long block lists go on in
+queries have fewer than k valid blocks (-1). Index projections in bf16 with Di = 64 (the Mosaic
+kernels' wgmma takes 16-bit operands and whole 64-element tiles), so that both forwards see the
+same values. Segments of two chunks, so long block lists go on in
 later segments and many chunks are a list's partial last one (stored query by query).
 """
 
@@ -18,16 +21,16 @@ from pallas_kernels.msa import mosaic_forward, pallas, reference
 BLOCK = 128
 # bf16 inputs and output: the reference runs in float32 on the same (rounded) inputs
 OUT_TOLERANCE = 2e-2  # about two bf16 ulps at the outputs' magnitude (≤ 2)
+KL_TOLERANCE = 1e-4  # fp32 KL (≤ 2) from the same bf16 inputs; the teacher's P in two 16-bit parts
 GRAD_RELATIVE = 2e-2
+INDEX_DIM = 64
 
 
 def inputs(group: int, kv_heads: int, seq: int = 300, batch: int = 2, head_dim: int = 64):
-    keys = jax.random.split(jax.random.key(group), 5)
-    bf16 = lambda key, shape: jax.random.normal(key, shape).astype(jnp.bfloat16)  # noqa: E731
+    keys = jax.random.split(jax.random.key(group), 3)
     q = bf16(keys[0], (batch, seq, group * kv_heads, head_dim))
     k, v = (bf16(key, (batch, seq, kv_heads, head_dim)) for key in keys[1:3])
-    index_q = jax.random.normal(keys[3], (batch, seq, kv_heads, 16))
-    index_k = jax.random.normal(keys[4], (batch, seq, 16))
+    index_q, index_k = student(kv_heads, seq, batch)
     first = 150
     segments = np.ones((batch, seq), np.int32)
     segments[0, first:], segments[0, seq - 3 :] = 2, 0
@@ -38,6 +41,16 @@ def inputs(group: int, kv_heads: int, seq: int = 300, batch: int = 2, head_dim: 
     blocks = reference.top_blocks(index_q, index_k, segments, positions, block_size=BLOCK,
                                   topk_blocks=2, local_blocks=1)  # fmt: skip
     return q, k, v, blocks, segments, positions
+
+
+def bf16(key, shape):
+    return jax.random.normal(key, shape).astype(jnp.bfloat16)
+
+
+def student(kv_heads: int, seq: int, batch: int):
+    """(index_q [B, S, K, Di], index_k [B, S, Di]) in bf16; they also choose `inputs`' blocks."""
+    keys = jax.random.split(jax.random.key(kv_heads + 100), 2)
+    return bf16(keys[0], (batch, seq, kv_heads, INDEX_DIM)), bf16(keys[1], (batch, seq, INDEX_DIM))
 
 
 def mosaic(segment_chunks: int = 2, stages: int = 2) -> pallas.Config:
@@ -67,50 +80,87 @@ def test_forward_matches_reference(group, kv_heads, stages):
 
 
 @pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
-def test_gradients_equal_the_triton_forwards(group, kv_heads):
-    """The backward is shared: equal gradients mean the Mosaic forward's LSE residual is the
-    per-(query, head) logsumexp the Triton forward leaves it (Q rows gathered by XLA for G = 4,
-    copied per entry by the kernel for G = 16)."""
-    q, k, v, blocks, segments, positions = inputs(group, kv_heads, seq=200, batch=1)
-    weights = jax.random.normal(jax.random.key(7), q.shape)
+def test_forward_with_student_matches_reference(group, kv_heads):
+    """With the student: out and the KL per (query, kv head) against the reference, on the packed
+    row (the forward kernel's per-entry LSE_z combined, then the KL pass on the global LSEs)."""
+    q, k, v, blocks, segments, positions = args = inputs(group, kv_heads, batch=1)
+    assert (np.asarray(blocks) == -1).any()
+    index = student(kv_heads, q.shape[1], 1)
+    out, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index, config=mosaic(),
+                                      interpret=True)  # fmt: skip
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, *index)]
+    expected, expected_kl = reference.sparse_attention(
+        *f32[:3], blocks, segments, positions, block_size=BLOCK, student=f32[3:]
+    )
+    assert out.dtype == q.dtype and kl.dtype == jnp.float32 and kl.shape == expected_kl.shape
+    np.testing.assert_allclose(as_f32(out), as_f32(expected), atol=OUT_TOLERANCE)
+    np.testing.assert_allclose(as_f32(kl), as_f32(expected_kl), atol=KL_TOLERANCE)
+    # the first padding slot sees itself only: teacher and student agree, KL 0
+    np.testing.assert_allclose(as_f32(kl[0, -3]), 0.0, atol=KL_TOLERANCE)
 
-    def grads(config):
-        def loss(q, k, v):
-            out, _ = pallas.sparse_attention(
-                q,
-                k,
-                v,
-                blocks,
-                segments,
-                positions,
-                block_size=BLOCK,
-                config=config,
-                interpret=True,
-            )
-            return (out.astype(jnp.float32) * weights).sum()  # fmt: skip
 
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+def gradients(config, q, k, v, blocks, segments, positions, index=None):
+    """d(q, k, v[, index_q, index_k]) of a random linear function of out (and of the KL)."""
+    keys = jax.random.split(jax.random.key(7), 2)
+    weights = jax.random.normal(keys[0], q.shape)
+    kl_weights = jax.random.normal(keys[1], (*q.shape[:2], k.shape[2]))
 
-    for got, expected in zip(grads(mosaic()), grads(pallas.Config())):
+    def loss(q, k, v, *index):
+        out, kl = pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
+                                          student=index or None, config=config,
+                                          interpret=True)  # fmt: skip
+        value = (out.astype(jnp.float32) * weights).sum()
+        return value if kl is None else value + (kl * kl_weights).sum()
+
+    operands = (q, k, v) + (index or ())
+    return jax.grad(loss, argnums=tuple(range(len(operands))))(*operands)
+
+
+def assert_gradients_equal(gots, expecteds):
+    assert len(gots) == len(expecteds)
+    for got, expected in zip(gots, expecteds, strict=True):
         got, expected = as_f32(got), as_f32(expected)
         assert np.linalg.norm(got - expected) <= GRAD_RELATIVE * np.linalg.norm(expected)
 
 
-def test_lowers_for_cuda_without_a_gpu():
-    """Mosaic GPU's lowering (layout inference, TMA and tile constraints) runs on CPU."""
+@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
+def test_gradients_equal_the_triton_forwards(group, kv_heads):
+    """The backward is shared: equal gradients mean the Mosaic forward's LSE residual is the
+    per-(query, head) logsumexp the Triton forward leaves it (Q rows gathered by XLA for G = 4,
+    copied per entry by the kernel for G = 16)."""
+    args = inputs(group, kv_heads, seq=200, batch=1)
+    assert_gradients_equal(gradients(mosaic(), *args), gradients(pallas.Config(), *args))
+
+
+@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
+def test_student_gradients_equal_the_triton_forwards(group, kv_heads):
+    """With the student, d(q, k, v, index_q, index_k) through the shared backward: equal when the
+    Mosaic forward's lse and lse_z residuals (and its KL) are the Triton forward's."""
+    args = inputs(group, kv_heads, seq=200, batch=1)
+    index = student(kv_heads, 200, 1)
+    assert_gradients_equal(gradients(mosaic(), *args, index=index),
+                           gradients(pallas.Config(), *args, index=index))  # fmt: skip
+
+
+@pytest.mark.parametrize("with_student", [False, True])
+def test_lowers_for_cuda_without_a_gpu(with_student):
+    """Mosaic GPU's lowering (layout inference, TMA and tile constraints) runs on CPU: the forward
+    kernel, with a student also its LSE_z outputs and the KL pass (Di = 128, M3's)."""
     struct = jax.ShapeDtypeStruct
     q = struct((1, 512, 32, 128), jnp.bfloat16)
     kv = struct((1, 512, 2, 128), jnp.bfloat16)
     blocks = struct((1, 512, 2, 4), jnp.int32)
     rows = struct((1, 512), jnp.int32)
+    index = (struct((1, 512, 2, 128), jnp.bfloat16), struct((1, 512, 128), jnp.bfloat16))
 
-    def forward(q, k, v, blocks, segments, positions):
+    def forward(q, k, v, blocks, segments, positions, *index):
         return pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
-                                       config=mosaic(16), interpret=False)[0]  # fmt: skip
+                                       student=index or None, config=mosaic(16),
+                                       interpret=False)  # fmt: skip
 
-    lowered = jax.jit(forward).trace(q, kv, kv, blocks, rows, rows)
-    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    operands = (q, kv, kv, blocks, rows, rows) + (index if with_student else ())
+    text = jax.jit(forward).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == (2 if with_student else 1)
 
 
 def test_unsupported_reason_names_the_mosaic_limits():
@@ -127,7 +177,11 @@ def test_unsupported_reason_names_the_mosaic_limits():
     wide = pallas.Config(forward_kernel="mosaic", mosaic=mosaic_forward.Tiling(rows=128))
     assert "rows=128" in reason(q, k, config=wide)
     assert "forward_kernel='cuda'" in reason(q, k, config=pallas.Config(forward_kernel="cuda"))
-    # with a student the forward stays on the Triton kernels: the Mosaic limits do not apply
-    student_q = q[..., :16].astype(jnp.float32)
-    assert pallas.unsupported_reason(q.astype(jnp.float32), k, student_q, block_size=BLOCK,
-                                     config=mosaic(), interpret=True) == ""  # fmt: skip
+    # with a student: Di in whole 64-element tiles, and the index tiles in shared memory too
+    with_index = lambda index_q, **kw: pallas.unsupported_reason(  # noqa: E731
+        q, k, index_q, **{"block_size": BLOCK, "config": mosaic(), "interpret": True, **kw}
+    )
+    index_q = student(2, 8, 1)[0]
+    assert with_index(index_q) == ""
+    assert "index_head_dim=16" in with_index(index_q[..., :16])
+    assert "shared memory" in with_index(jnp.tile(index_q, (1, 1, 1, 8)))
