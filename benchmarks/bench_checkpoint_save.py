@@ -35,7 +35,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 from m3jax import xla_flags
 from m3jax.model import functional
@@ -91,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     session = TrainingSession(functional(run.model), run, None)
     fresh_checkpoints(session, directory)
     session.initialize()
-    state_gb = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(session.state))
-    state_gb /= 1e9
+    state_gb = sum(x.nbytes for x in jax.tree.leaves(session.state)) / 1e9
     free_gb = shutil.disk_usage(directory).free / 1e9
     print(f"state {state_gb:.1f} GB; {free_gb:.1f} GB free in {directory}; async_save="
           f"{run.checkpoint.async_save}", flush=True)  # fmt: skip

@@ -23,7 +23,7 @@ over the same segments and chunks with the global LSEs per row (`row_lses`): S a
 LSE) per head, the teacher t = the group's mean as one wgmma A·P with a constant averaging matrix A
 [R, R] (a reduction across a tile's rows would cross threads and warps; P goes in two 16-bit parts
 for ~16-bit precision), z again, and per row Σ t·(log t - (z·Di^-½ - LSE_z)) where t > 0,
-stored per entry; `kl_sum` adds a query's k entries. That is the Triton forward pass minus its
+stored per entry; pallas.py adds a query's k entries. That is the Triton forward pass minus its
 P·V (the Triton path pays its two Q·Kᵀ as well). The index operands enter the wgmma in q's dtype.
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
@@ -291,14 +291,6 @@ def combine(geo: chunks.Geometry, lists, valid, o, lse, lse_z=None):
     if lse_z is None:
         return out, total, None
     return out, total, _selection_lse(geo, lists, valid, lse_z, 1)[1][..., 0]
-
-
-def kl_sum(geo: chunks.Geometry, lists, valid, kl) -> jax.Array:
-    """Per-entry KL shares [E·Ge] -> the KL per (query, kv head) [B, W, K] fp32: the sum over the
-    query's k selections (invalid ones were never written)."""
-    shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
-    shares = block_lists.by_selection(kl.reshape(-1, entry_rows(geo.group))[:, 0], lists, shape)
-    return jnp.where(valid, shares, 0.0).sum(axis=3)
 
 
 # ---------------------------------------------------------------------------------------------

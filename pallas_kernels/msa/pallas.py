@@ -247,7 +247,9 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             lses = mosaic_forward.row_lses(geo, lists, lse, lse_z)
             kl_e = mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student,
                                           lses, **kernels)  # fmt: skip
-            kl = mosaic_forward.kl_sum(geo, lists, valid, kl_e)
+            # each entry's KL share sits in its first row; a query's k shares add up
+            first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
+            kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
         return out.astype(q.dtype), kl, lse, lse_z
 
     def forward_window(k, v, index_k, segments, window):
