@@ -13,9 +13,12 @@ backward keeps a float32 dQ accumulator per segment slot, [B·M, S, H, Dh] (17 G
 16 heads of 128 and M = 32), and at 4K tokens and six documents a row the backward takes 2.3 ms
 at M = 16, 2.7 ms at 32, 3.5 ms at 64 (benchmarks/RESULTS.md). So M is `max_segments`, by default
 S/1024 within [16, 32] (a 32K row of documents averaging 1,500 tokens holds ~22), and a batch
-with a row of more documents runs, under `lax.cond`, cuDNN over whole rows with the document mask as a
-[B, 1, S, S] boolean instead (B·S² bytes, every causal pair's work: ~8× slower at 32K). Both branches are cuDNN: neither carries the XLA path's
-O(S²)-tile temporaries.
+with a row of more documents runs, under `lax.cond`, a fallback (`fallback`): up to
+MASKED_ELEMENTS = B·S² (32K tokens a row), cuDNN over whole rows under the document mask as a
+[B, 1, S, S] array (every causal pair's work: ~8× slower at 32K); past it, the XLA path's tiled
+attention (linear memory). The mask is what bounds it: XLA allocates a cond's branches side by
+side, so a masked branch costs its S² arrays even when no row takes it: at 256K tokens, [S, S]
+bf16 arrays held 256 GiB of small-gpu's 289 GiB of temporaries (RESULTS.md).
 
 jax exposes packed offsets only through its private cuDNN module (the public
 `jax.nn.dot_product_attention` takes one length per row); jax is pinned in pyproject.toml.
@@ -24,12 +27,16 @@ Shapes: B batch, S sequence, H query heads, K kv heads, Dh head dim, M max segme
 """
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
+from pallas_kernels.attention import xla
+
 SEGMENT_SLOTS = (16, 32)  # the default packed layout's bounds (segment slots per row)
+MASKED_ELEMENTS = 1 << 30  # the largest B·S² whose fallback is cuDNN under an [S, S] mask
 
 
 def dense_attention(
@@ -43,15 +50,28 @@ def dense_attention(
 ) -> jax.Array:
     """Attention within each segment -> out [B, S, H, Dh] (q [B, S, H, Dh], k/v [B, S, K, Dh],
     segment_ids [B, S]): the packed layout when every row has at most `max_segments` runs, else
-    the masked whole rows."""
+    `fallback`'s."""
     seq = q.shape[1]
     max_segments = min(max_segments or default_segments(seq), seq)
     packed = functools.partial(packed_attention, max_segments=max_segments, causal=causal)
     if max_segments == seq:  # every row fits
         return packed(q, k, v, segment_ids)
-    masked = functools.partial(masked_attention, causal=causal)
     too_many = segment_runs(segment_ids, 1)[2].max() > max_segments
-    return jax.lax.cond(too_many, masked, packed, q, k, v, segment_ids)
+    rows = functools.partial(fallback(q.shape[0], seq), causal=causal)
+    return jax.lax.cond(too_many, rows, packed, q, k, v, segment_ids)
+
+
+def fallback(batch: int, seq: int) -> Callable[..., jax.Array]:
+    """What runs rows of more than `max_segments` documents: cuDNN under the document mask while
+    the mask is small, else the XLA path's tiled attention (module docstring)."""
+    return masked_attention if batch * seq * seq <= MASKED_ELEMENTS else tiled_attention
+
+
+def tiled_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool
+) -> jax.Array:
+    """The XLA path's query-tiled attention: every tile against the whole row, linear memory."""
+    return xla.dense_attention(q, k, v, segment_ids, causal=causal)[0]
 
 
 def default_segments(seq: int) -> int:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_values import value_sizes
 
 from m3jax import attention_ops
 from pallas_kernels.attention import cudnn, splash, xla
@@ -100,6 +101,30 @@ def test_default_segment_slots_follow_the_row_length_within_bounds():
     assert [cudnn.default_segments(s) for s in (512, 4096, 16384, 32768, 1 << 20)] == [
         16, 16, 16, 32, 32,
     ]  # fmt: skip
+
+
+def long_row_values(seq: int) -> dict[str, tuple[int, str]]:
+    """`cudnn.dense_attention`'s values on one row of `seq` tokens, traced with cuDNN's calls
+    replaced by a stand-in of their output's shape (tracing them needs cuDNN)."""
+    q = jax.ShapeDtypeStruct((1, seq, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    stand_in = lambda q, *args, **kwargs: q  # noqa: E731
+    with mock.patch.object(cudnn.cudnn_attention, "dot_product_attention", stand_in), \
+            mock.patch.object(jax.nn, "dot_product_attention", stand_in):  # fmt: skip
+        jaxpr = jax.make_jaxpr(cudnn.dense_attention)(q, k, k, segments)
+    return value_sizes(jaxpr.jaxpr)
+
+
+def test_a_long_rows_fallback_for_many_documents_holds_nothing_quadratic_in_its_length():
+    """XLA allocates both branches of the cond, so the fallback's memory counts even when no row
+    takes it: past MASKED_ELEMENTS it is the tiled XLA path, not cuDNN under an [S, S] mask."""
+    assert cudnn.fallback(1, 32768) is cudnn.masked_attention  # 1 GiB of mask elements
+    assert cudnn.fallback(2, 32768) is cudnn.tiled_attention
+    short, long = long_row_values(1 << 16), long_row_values(1 << 17)
+    assert short.keys() == long.keys()
+    quadratic = [f"{long[k][1]} at {k}" for k in long if long[k][0] > 3 * max(short[k][0], 1)]
+    assert not quadratic, f"{len(quadratic)} values grow as S², e.g. {quadratic[:3]}"
 
 
 def test_dense_picks_cudnn_on_a_hopper_gpu_and_says_why_not_elsewhere():

@@ -10,6 +10,7 @@ quadratically.
 
 import jax
 import numpy as np
+from jaxpr_values import value_sizes
 from tiny import tiny_run
 
 from batch_format.batch import make_batch
@@ -19,22 +20,6 @@ from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.train_step import init_state, make_train_step
 
 LENGTHS = (256, 512)  # several query tiles at both (the XLA paths' tiles are 64 and 128 queries)
-
-
-def value_sizes(jaxpr, path: str = "") -> dict[str, tuple[int, str]]:
-    """Bytes and type of every value an equation produces, sub-jaxprs included, keyed by place."""
-    sizes = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        key = f"{path}/{i}:{eqn.primitive.name}"
-        for j, var in enumerate(eqn.outvars):
-            if hasattr(var.aval, "shape"):
-                sizes[f"{key}#{j}"] = (var.aval.size * var.aval.dtype.itemsize, str(var.aval))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    sizes.update(value_sizes(inner, key))
-    return sizes
 
 
 def step_values(seq: int) -> dict[str, tuple[int, str]]:
