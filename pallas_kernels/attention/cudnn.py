@@ -12,7 +12,9 @@ M, the most segments a row may have, is a static shape, and cuDNN's cost grows w
 backward keeps a float32 dQ accumulator per segment slot, [B·M, S, H, Dh] (17 GB at 32K tokens,
 16 heads of 128 and M = 32), and at 4K tokens and six documents a row the backward takes 2.3 ms
 at M = 16, 2.7 ms at 32, 3.5 ms at 64 (benchmarks/RESULTS.md). So M is `max_segments`, by default
-S/1024 within [16, 32] (a 32K row of documents averaging 1,500 tokens holds ~22), and a batch
+S/1024 within [16, 32] (a 32K row of documents averaging 1,500 tokens holds ~22) and no more than
+2^20 / S past 32K (`default_segments`: at 32 slots, a 256K row of small-gpu's 16 heads would hold 64
+GiB of them), and a batch
 with a row of more documents runs, under `lax.cond`, a fallback (`fallback`): up to
 MASKED_ELEMENTS = B·S² (32K tokens a row), cuDNN over whole rows under the document mask as a
 [B, 1, S, S] array (every causal pair's work: ~8× slower at 32K); past it, the XLA path's tiled
@@ -36,6 +38,7 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 from pallas_kernels.attention import xla
 
 SEGMENT_SLOTS = (16, 32)  # the default packed layout's bounds (segment slots per row)
+SLOT_TOKENS = 32 << 15  # the most segment slots × row tokens by default (32 slots at 32K)
 MASKED_ELEMENTS = 1 << 30  # the largest B·S² whose fallback is cuDNN under an [S, S] mask
 
 
@@ -76,9 +79,12 @@ def tiled_attention(
 
 def default_segments(seq: int) -> int:
     """Segment slots for rows of `seq` tokens: S/1024 within SEGMENT_SLOTS (16 at 4K, 32 at
-    32K): at 4K, 16 slots take 2.2 ms fwd+bwd against 2.8 ms for 32, and half the memory."""
+    32K): at 4K, 16 slots take 2.2 ms fwd+bwd against 2.8 ms for 32, and half the memory. Past
+    32K, at most SLOT_TOKENS / S (16 at 64K, 1 at 1M), so that the backward's dQ accumulators,
+    M·S rows, stay as large as at 32K: long rows hold few documents, and rows of more take the
+    fallback."""
     low, high = SEGMENT_SLOTS
-    return min(high, max(low, seq // 1024))
+    return max(1, min(high, max(low, seq // 1024), SLOT_TOKENS // seq))
 
 
 def masked_attention(

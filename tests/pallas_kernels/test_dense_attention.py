@@ -98,9 +98,10 @@ def test_segment_runs_lay_out_each_rows_runs_as_cudnn_reads_them(max_segments):
 
 
 def test_default_segment_slots_follow_the_row_length_within_bounds():
-    assert [cudnn.default_segments(s) for s in (512, 4096, 16384, 32768, 1 << 20)] == [
-        16, 16, 16, 32, 32,
-    ]  # fmt: skip
+    """Up to 32K, S/1024 slots within [16, 32]; past it, the slots × tokens of 32K (the
+    backward's dQ accumulators grow with both)."""
+    lengths = (512, 4096, 16384, 32768, 65536, 1 << 18, 1 << 20, 1 << 21)
+    assert [cudnn.default_segments(s) for s in lengths] == [16, 16, 16, 32, 16, 4, 1, 1]
 
 
 def long_row_values(seq: int) -> dict[str, tuple[int, str]]:
