@@ -8,7 +8,9 @@
   the index projections; a custom VJP ties them together. `Config.forward_kernel="mosaic"` runs
   the forward on Mosaic GPU kernels instead (mosaic_forward.py): one pass without a student;
   with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL.
-  The backward is the Triton one either way (every forward leaves it the same LSE and LSE_z
+  The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
+  multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
+  32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. The backward is the Triton one either way (every forward leaves it the same LSE and LSE_z
   residuals). Queries go in windows of at most `max_window` so that the per-entry shares stay
   within `partial_bytes` of memory.
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
@@ -57,14 +59,37 @@ class Config:
     )
     selection: selection_kernel.Tiling = selection_kernel.Tiling()
     partial_bytes: int = 4 << 30  # memory for the per-entry output shares of one window
-    # "triton": LSE pass + forward pass; "mosaic": the Mosaic GPU forward (+ KL pass)
-    forward_kernel: str = "triton"
+    # "triton": LSE pass + forward pass; "mosaic": the Mosaic GPU forward (+ KL pass); "auto":
+    # Mosaic where `concrete` picks it
+    forward_kernel: str = "auto"
     mosaic: mosaic_forward.Tiling = mosaic_forward.Tiling()
 
     @property
     def uses_mosaic(self) -> bool:
         """Whether the forward runs the Mosaic GPU kernels (with or without a student)."""
         return self.forward_kernel == "mosaic"
+
+
+def concrete(
+    config: Config, q: jax.Array, k: jax.Array, index_q: jax.Array, block_size: int,
+    interpret: bool | None = None,
+) -> Config:  # fmt: skip
+    """`config` with forward_kernel "auto" resolved for these operands: "mosaic" when compiled
+    for a GPU, with each entry's G heads copied straight from q (G a multiple of 8: the layouts
+    timed) and within the Mosaic kernels' limits, else "triton". `index_q` is q without a
+    student."""
+    if config.forward_kernel != "auto":
+        return config
+    group = q.shape[2] // k.shape[2]
+    index_dim = 0 if index_q is q else index_q.shape[3]
+    mosaic = (
+        not _interpret(interpret)
+        and mosaic_forward.gathers_queries(group)
+        and not mosaic_forward.unsupported_reason(
+            q.dtype, group, q.shape[3], block_size, config.mosaic, index_dim
+        )
+    )
+    return dataclasses.replace(config, forward_kernel="mosaic" if mosaic else "triton")
 
 
 def _power_of_two(n: int) -> bool:
@@ -85,8 +110,9 @@ def unsupported_reason(
     The Mosaic forward's limits bind always (its interpreter checks tiles and copies too).
     `index_q` is q itself without a student."""
     group, index_heads = q.shape[2] // k.shape[2], index_q.shape[2]
-    if config.forward_kernel not in ("triton", "mosaic"):
-        return f"forward_kernel={config.forward_kernel!r} is not 'triton' or 'mosaic'"
+    if config.forward_kernel not in ("auto", "triton", "mosaic"):
+        return f"forward_kernel={config.forward_kernel!r} is not 'auto', 'triton' or 'mosaic'"
+    config = concrete(config, q, k, index_q, block_size, interpret)
     if config.uses_mosaic:
         index_dim = 0 if index_q is q else index_q.shape[3]
         reason = mosaic_forward.unsupported_reason(
@@ -162,6 +188,7 @@ def sparse_attention(
     )
     if reason:
         raise ValueError(f"MSA kernels: {reason}")
+    config = concrete(config, q, k, index_q, block_size, interpret)
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads, topk = k.shape[2], block_indices.shape[-1]
     # per-entry shares of a window: the output's (forward), key_split copies of dq's (backward)

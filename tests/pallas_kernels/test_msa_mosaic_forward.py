@@ -185,3 +185,23 @@ def test_unsupported_reason_names_the_mosaic_limits():
     assert with_index(index_q) == ""
     assert "index_head_dim=16" in with_index(index_q[..., :16])
     assert "shared memory" in with_index(jnp.tile(index_q, (1, 1, 1, 8)))
+
+
+def test_auto_takes_the_mosaic_forward_only_compiled_on_the_layouts_it_was_timed_on():
+    """"auto" (the default): Mosaic when compiled, G a multiple of 8 and within its limits;
+    Triton in the interpreter (the CPU tests of the default path), for G < 8 (the XLA-gathered
+    Q rows, not timed) and where the Mosaic kernels can't run."""
+    kernel = lambda q, k, index_q=None, interpret=False, block_size=BLOCK: pallas.concrete(  # noqa: E731
+        pallas.Config(), q, k, q if index_q is None else index_q, block_size, interpret
+    ).forward_kernel
+    q8, k8, _, _, _, _ = inputs(8, 2, seq=8, batch=1)
+    q4, k4, _, _, _, _ = inputs(4, 2, seq=8, batch=1)
+    assert pallas.Config().forward_kernel == "auto"
+    assert kernel(q8, k8) == "mosaic"
+    assert kernel(q8, k8, index_q=student(2, 8, 1)[0]) == "mosaic"
+    assert kernel(q8, k8, interpret=True) == "triton"
+    assert kernel(q4, k4) == "triton"
+    assert kernel(q8.astype(jnp.float32), k8.astype(jnp.float32)) == "triton"
+    assert kernel(q8, k8, block_size=64) == "triton"
+    explicit = pallas.Config(forward_kernel="triton")
+    assert pallas.concrete(explicit, q8, k8, q8, BLOCK, False) is explicit
