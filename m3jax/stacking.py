@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from pallas_kernels.msa.pallas import SAVED_BY_REMAT
+from pallas_kernels.msa.reference import SAVED_BY_REMAT
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -1,5 +1,9 @@
-"""The sizes of the values a jaxpr computes, for tests that bound a program's memory by its shapes
-(no compile, no allocation)."""
+"""What a program holds, read from its jaxpr (no compile, no allocation): the sizes of its values,
+for tests that bound its memory, and its Pallas kernel launches."""
+
+import collections
+
+from jax.extend import core as jcore
 
 
 def value_sizes(jaxpr, path: str = "") -> dict[str, tuple[int, str]]:
@@ -16,3 +20,16 @@ def value_sizes(jaxpr, path: str = "") -> dict[str, tuple[int, str]]:
                 if hasattr(inner, "eqns"):
                     sizes.update(value_sizes(inner, key))
     return sizes
+
+
+def kernel_calls(jaxpr: jcore.Jaxpr) -> collections.Counter:
+    """How many times each Pallas kernel (by name) appears in a program, sub-programs included."""
+    counts = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            counts[eqn.params["name"]] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jcore.ClosedJaxpr | jcore.Jaxpr):
+                    counts += kernel_calls(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub)
+    return counts

@@ -38,15 +38,12 @@ from pallas_kernels.msa import (
     mosaic_forward,
     selection_kernel,
 )
-from pallas_kernels.msa.reference import Student
+from pallas_kernels.msa.reference import SAVED_BY_REMAT, Student
 from pallas_kernels.msa.xla import block_recall, dense_attention
 
 __all__ = ["block_recall", "dense_attention", "sparse_attention", "top_blocks"]
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)  # float32 tiles overflow shared memory on Hopper
-# `checkpoint_name` of the attention's residuals that come from the kernels (output, LSEs): a
-# remat policy that saves them runs the LSE and forward kernels once a step, not twice
-SAVED_BY_REMAT = "msa_attention"
 
 
 @dataclasses.dataclass(frozen=True)

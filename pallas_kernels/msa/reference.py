@@ -28,6 +28,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.reference import at_query_slots, document_causal_mask, gqa_attention
 
+# `checkpoint_name` of the attention residuals that the kernel backends' forwards compute (the
+# output and LSEs): a remat policy that saves them (`model.remat: save_attention`) runs those
+# forward kernels once a step, not twice
+SAVED_BY_REMAT = "msa_attention"
+
 Student = tuple[jax.Array, jax.Array] | None  # (index_q [B, S, Hi, Di], index_k [B, S, Di])
 
 

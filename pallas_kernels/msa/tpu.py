@@ -32,10 +32,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.msa import tpu_kernels, tpu_selection
-from pallas_kernels.msa.reference import Student
+from pallas_kernels.msa.reference import SAVED_BY_REMAT, Student
 from pallas_kernels.msa.tpu_selection import NO_SEGMENT
 from pallas_kernels.msa.xla import block_recall, dense_attention
 
@@ -229,6 +230,8 @@ def _attention(geo: tpu_kernels.Geometry, interpret):
 
     def forward(*args):
         out, kl, lse, lse_z = forward_kernels(*args)
+        out, lse, lse_z = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
+                           for x in (out, lse, lse_z))  # fmt: skip
         return (out, kl), (*args, out, lse, lse_z)
 
     def backward(residuals, cotangents):

@@ -3,14 +3,12 @@ each: "auto" takes the Pallas kernels on a GPU where they apply and the XLA path
 "pallas" takes the kernels or says why not; the layer runs dense attention whenever every query
 keeps all its blocks (S <= topk_blocks · block_size)."""
 
-import collections
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jcore
 
 from m3jax import attention_ops
 from m3jax.attention import ForwardMode
@@ -20,6 +18,7 @@ from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
 from pallas_kernels.msa import tpu as msa_tpu
 from pallas_kernels.msa import xla as msa_xla
+from jaxpr_values import kernel_calls
 from tiny import tiny_run
 
 MSA = MSAConfig(index_heads=2, index_head_dim=32, block_size=32, topk_blocks=2)
@@ -149,19 +148,6 @@ def test_model_loss_and_gradients_equal_with_kernels_and_xla():
     np.testing.assert_allclose(value_pallas, value_xla, rtol=1e-5)
     for g, e in zip(jax.tree.leaves(grads_pallas), jax.tree.leaves(grads_xla)):
         np.testing.assert_allclose(g, e, atol=1e-5)
-
-
-def kernel_calls(jaxpr: jcore.Jaxpr) -> collections.Counter:
-    """How many times each Pallas kernel (by name) appears in a program, sub-programs included."""
-    counts = collections.Counter()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            counts[eqn.params["name"]] += 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, jcore.ClosedJaxpr | jcore.Jaxpr):
-                    counts += kernel_calls(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub)
-    return counts
 
 
 @pytest.mark.slow

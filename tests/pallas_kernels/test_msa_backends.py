@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_values import kernel_calls
 
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
@@ -141,6 +142,29 @@ def test_sparse_attention_gradients_match_reference(backend, block_size, topk, l
     for name, g, e in zip(("q", "k", "v", "index_q", "index_k"), got, expected):
         np.testing.assert_allclose(g, e, atol=GRAD_TOLERANCE, err_msg=name)
         assert float(jnp.abs(e).max()) > 1e-3, name  # every input really gets a gradient
+
+
+FORWARD_KERNELS = {"pallas": ("msa_lse", "msa_forward"), "tpu": ("msa_tpu_forward",)}  # KL aside
+
+
+@pytest.mark.parametrize("backend", FORWARD_KERNELS)
+def test_a_remat_policy_saving_the_attention_runs_the_kernels_forward_once(backend):
+    """Both kernel backends name their forward's residuals (output, LSEs) SAVED_BY_REMAT, so that
+    `model.remat: save_attention` keeps them for the backward instead of rerunning the forward
+    kernels, which recomputing everything (`full`) does."""
+    module, kwargs = BACKENDS[backend]
+    q, k, v, index_q, index_k, segments, positions = x = inputs()
+    blocks = select(x, 16, 2, 1)
+    loss = loss_of(module, blocks, segments, positions, 16, jnp.ones_like(q), **kwargs)
+
+    def launches(policy):
+        grad = jax.grad(jax.checkpoint(loss, policy=policy), argnums=range(5))
+        return kernel_calls(jax.make_jaxpr(grad)(q, k, v, index_q, index_k).jaxpr)
+
+    full = launches(jax.checkpoint_policies.nothing_saveable)
+    saved = launches(jax.checkpoint_policies.save_only_these_names(reference.SAVED_BY_REMAT))
+    for name in FORWARD_KERNELS[backend]:
+        assert (full[name], saved[name]) == (2, 1), name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
