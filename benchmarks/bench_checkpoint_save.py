@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     session.checkpoints.close()
     shutil.rmtree(directory, ignore_errors=True)
     loader.close()
-    steady = saves[1:] or saves  # the first save also sets Orbax up (once per run)
+    steady = saves[1:] or saves  # the first of a process also pays one-time costs
     worst = max(s["cost_of_step"] for s in steady)
     report = {
         "benchmark": "checkpoint_save", "config": args.config, "overrides": args.overrides,
