@@ -7,6 +7,11 @@ step to `<step>.orbax-checkpoint-tmp` and renames it when complete, so an interr
 looks like a checkpoint; leftovers of a killed process are removed when the directory is opened.
 Restores go onto the current mesh: the abstract target carries the shardings.
 
+Arrays are written uncompressed: zstd saved 7 % of the disk (1.15 vs 1.24 GB, a 1.2 GB CPU state
+of random weights and Adam moments) for threads that compete with training for the host's cores.
+Once a save is complete the memory it freed is handed back to the OS (pretrain/host_memory.py),
+so host memory does not grow save after save.
+
 Failures are reported as one-line errors naming the step: a failed save (`CheckpointSaveError`,
 raised by `save`, `poll` or `wait`, once its other writes are done and its temporary folder is
 removed; removed again at later calls and at `close`, to be sure) and an unreadable
@@ -24,6 +29,7 @@ import shutil
 import jax
 import orbax.checkpoint as ocp
 
+from pretrain import host_memory
 from pretrain.config import CheckpointConfig
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -55,8 +61,20 @@ class Checkpoints:
             create=True,
             cleanup_tmp_directories=True,
         )
+        pinned = None if config.pinned_host_copy else False  # None: Orbax's, pinned on GPUs only
+        arrays = ocp.PyTreeCheckpointHandler(
+            use_compression=False, enable_pinned_host_transfer=pinned
+        )
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    "state": arrays,
+                    "data": ocp.JsonCheckpointHandler(),
+                    "progress": ocp.JsonCheckpointHandler(),
+                },
+            )
         except Exception as e:  # Orbax raises many types for unusable directories
             raise CheckpointError(
                 f"{self.directory}: cannot open or create the checkpoint directory "
@@ -80,7 +98,7 @@ class Checkpoints:
         self.wait()
         self._remove_leftovers()
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.PyTreeSave(state),
             data=ocp.args.JsonSave(data_state),
             progress=ocp.args.JsonSave(progress),
         )
@@ -104,14 +122,18 @@ class Checkpoints:
         if self._saving is None:
             return None
         step, self._saving = self._saving, None
-        with self._failure_of(step):
-            self._manager.wait_until_finished()
+        try:
+            with self._failure_of(step):
+                self._manager.wait_until_finished()
+        finally:
+            host_memory.release_freed_memory()  # the save's host copies and write buffers
         return step
 
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict, dict]:
         """abstract_state: ShapeDtypeStructs with shardings. Returns (state, data_state, progress)."""
+        placement = ocp.checkpoint_utils.construct_restore_args(abstract_state)
         args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
+            state=ocp.args.PyTreeRestore(abstract_state, restore_args=placement),
             data=ocp.args.JsonRestore(),
             progress=ocp.args.JsonRestore(),
         )
