@@ -39,15 +39,17 @@ from pallas_kernels.msa.mosaic_chunks import (
     TILE_ROWS,
     broadcast,
     chunk_copies,
+    copy_whole,
     entry_rows,
     fetch_chunk,
     matmul,
     normalised,
+    segment_row,
     store_chunk,
     tiles,
     visible,
 )
-from pallas_kernels.msa.mosaic_forward import NOT_VISIBLE, SHARED_BYTES, TABLE_COLUMNS, Tiling
+from pallas_kernels.msa.mosaic_forward import NOT_VISIBLE, SHARED_BYTES, Tiling
 
 KEY_PARTS = 2  # items per segment: key halves, so that dK and dV fit one warpgroup's registers
 PART_KEYS = 64  # keys of an item: one wgmma M
@@ -206,14 +208,11 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
     def kernel(*refs, **smem):
         ref = dict(zip([*operands, *outputs], refs))
-        if student:  # the averaging matrix, once per program
-            plgpu.copy_gmem_to_smem(ref["average"], smem["average"], smem["average_bar"].at[0])
-            plgpu.barrier_wait(smem["average_bar"].at[0])
+        if student:
+            copy_whole(ref, smem, "average")
 
         def item_body(index, part):
-            first, count, tile_row, shift, key_slot, row_start, head = (
-                ref["table"][index, column] for column in range(TABLE_COLUMNS)
-            )
+            first, count, tile_row, shift, key_slot, row_start, head = segment_row(ref, index)
             num_chunks = (count + queries - 1) // queries
             window = pl.ds(tile_row * TILE_ROWS + part * PART_KEYS, PART_KEYS)
             for bar, name in enumerate(block_operands):  # [8, N, K, D] per head, else [8, N, ...]

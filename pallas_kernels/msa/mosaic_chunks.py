@@ -21,6 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mosaic_smem import swizzled
 
 TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
+TABLE_COLUMNS = 7  # of `mosaic_forward.segment_table`
 LOG2E, LN2 = math.log2(math.e), math.log(2)
 
 
@@ -63,6 +64,18 @@ def fetch_chunk(geo, ref, smem, slot, first_entry, matrices, student: bool, row_
     for name in row_operands:
         plgpu.copy_gmem_to_smem(ref[name].at[:, pl.ds(start, rows)], smem[name].at[slot],
                                 smem["data_bars"].at[slot])  # fmt: skip
+
+
+def segment_row(ref, index) -> tuple:
+    """The columns of `mosaic_forward.segment_table` for segment `index`: first sorted entry,
+    entries, K/V window tile and shift, first key's global slot, b·S, kv head."""
+    return tuple(ref["table"][index, column] for column in range(TABLE_COLUMNS))
+
+
+def copy_whole(ref, smem, name: str) -> None:
+    """TMA-copy operand `name` into shared memory once per program (the averaging matrix)."""
+    plgpu.copy_gmem_to_smem(ref[name], smem[name], smem[f"{name}_bar"].at[0])
+    plgpu.barrier_wait(smem[f"{name}_bar"].at[0])
 
 
 def chunk_copies(geo, matrices: int, index_dim: int) -> int:

@@ -19,12 +19,13 @@ out like the entry's Ge Q rows, each the entry's index row (`index_rows` repeats
 per-entry gather would take k·Ge×), so z shares S's tile layout and mask and costs one more
 64-row wgmma, as much as zero-padding the entries to 64 rows would. The index keys are
 TMA-copied once per segment like K (`shifted_keys` of index_k). Then `kl_pass`, a second kernel
-over the same segments and chunks with the global LSEs per row (`row_values` of lse and lse_z): S again, P = exp(S -
-LSE) per head, the teacher t = the group's mean as one wgmma A·P with a constant averaging matrix A
-[R, R] (a reduction across a tile's rows would cross threads and warps; P goes in two 16-bit parts
-for ~16-bit precision), z again, and per row Σ t·(log t - (z·Di^-½ - LSE_z)) where t > 0,
-stored per entry; pallas.py adds a query's k entries. That is the Triton forward pass minus its
-P·V (the Triton path pays its two Q·Kᵀ as well). The index operands enter the wgmma in q's dtype.
+over the same segments and chunks with the global LSEs per row (`row_values` of lse and
+lse_z): S again, P = exp(S - LSE) per head, the teacher t = the group's mean as one wgmma A·P
+with a constant averaging matrix A [R, R] (a reduction across a tile's rows would cross threads
+and warps; P goes in two 16-bit parts for ~16-bit precision), z again, and per row Σ t·(log t -
+(z·Di^-½ - LSE_z)) where t > 0, stored per entry; pallas.py adds a query's k entries. That is
+the Triton forward pass minus its P·V (the Triton path pays its two Q·Kᵀ as well). The index
+operands enter the wgmma in q's dtype.
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
 entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
@@ -77,18 +78,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.msa import block_lists, chunks
 from pallas_kernels.msa.mosaic_chunks import (
-    LN2,
-    LOG2E,
+    TABLE_COLUMNS,
     TILE_ROWS,
     block_lse,
     broadcast,
     chunk_copies,
+    copy_whole,
     entry_rows,
     fetch_chunk,
     gathers_queries,
     kl_rows,
     matmul,
     normalised,
+    segment_row,
     softmax_block,
     store_chunk,
     visible,
@@ -100,7 +102,6 @@ BLOCK_SIZES = (128,)  # one wgmma N / K tile of keys per block
 HEAD_DIM_MULTIPLE = 64  # the swizzled tiles' minor size in 16-bit elements
 WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its registers
 NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
-TABLE_COLUMNS = 7  # of `segment_table`
 SHARED_BYTES = 227 * 1024  # the H200's shared memory per program
 
 
@@ -409,15 +410,12 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
     def kernel(*refs, **smem):
         ref = dict(zip([*operands, *outputs], refs))
-        if kl:  # the averaging matrix, once per program
-            plgpu.copy_gmem_to_smem(ref["average"], smem["average"], smem["average_bar"].at[0])
-            plgpu.barrier_wait(smem["average_bar"].at[0])
+        if kl:
+            copy_whole(ref, smem, "average")
 
         def segment_body(index, part):
             del part  # whole blocks
-            first, count, tile, shift, key_slot, row_start, head = (
-                ref["table"][index, column] for column in range(TABLE_COLUMNS)
-            )
+            first, count, tile, shift, key_slot, row_start, head = segment_row(ref, index)
             num_chunks = (count + queries - 1) // queries
             keys = (shift, pl.ds(tile * TILE_ROWS, size), head)
             for bar, name in enumerate(block_operands):  # [8, N, K, D] per head, else [8, N, ...]

@@ -17,6 +17,7 @@ from test_msa_mosaic_forward import (
     BLOCK,
     as_f32,
     assert_gradients_equal,
+    cuda_operands,
     gradients,
     inputs,
     student,
@@ -74,12 +75,6 @@ def test_lowers_for_cuda_without_a_gpu(with_student):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints, wgmma operands) of the
     backward kernels at Dh = Di = 128, G = 16: the forward, then the gradients kernel and with a
     student its own (the forward's KL pass feeds no gradient and is left out)."""
-    struct = jax.ShapeDtypeStruct
-    q = struct((1, 512, 32, 128), jnp.bfloat16)
-    kv = struct((1, 512, 2, 128), jnp.bfloat16)
-    blocks = struct((1, 512, 2, 4), jnp.int32)
-    rows = struct((1, 512), jnp.int32)
-    index = (struct((1, 512, 2, 128), jnp.bfloat16), struct((1, 512, 128), jnp.bfloat16))
     config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic")
 
     def loss(q, k, v, blocks, segments, positions, *index):
@@ -88,7 +83,7 @@ def test_lowers_for_cuda_without_a_gpu(with_student):
                                           interpret=False)  # fmt: skip
         return out.astype(jnp.float32).sum() + (0.0 if kl is None else kl.sum())
 
-    operands = (q, kv, kv, blocks, rows, rows) + (index if with_student else ())
+    operands = cuda_operands(with_student)
     differentiated = (0, 1, 2, 6, 7) if with_student else (0, 1, 2)
     grad = jax.jit(jax.grad(loss, argnums=differentiated))
     text = grad.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
