@@ -271,6 +271,8 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                                 grid=(program, mosaic_forward.num_programs(tiling)))  # fmt: skip
         plgpu.wait_smem_to_gmem(0)
 
+    # profiles show the kernel by its function's name
+    kernel.__name__ = "msa_mosaic_student_backward" if student else "msa_mosaic_backward"
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),

@@ -493,6 +493,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         teacher = matmul((rows, size), (average, smem["p"]), (average, smem["p_low"]))
         return kl_rows(teacher, z * index_scale - broadcast(lse_z, z.shape))
 
+    kernel.__name__ = "msa_mosaic_kl_pass" if kl else "msa_mosaic_forward"  # profiles' name
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
