@@ -24,6 +24,12 @@ the student's logits zᵀ = index_k·index_qᵀ and probabilities exp(zᵀ·Di^-
 += d_zᵀ·index_q per item as dK is, d(index_q) shares (d_zᵀ)ᵀ·index_k per entry (8 rows an entry,
 its first the share). Its own kernel keeps the main one's registers at dK and dV.
 
+On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, index 4×128, top-16, bf16), the layer's
+forward+backward with the Mosaic forward and the student took 359 ms at S = 128K against 497 ms
+with the Triton backward (cuDNN dense: 1,747 ms), and 80 ms against 118 at 32K (cuDNN: 109); a
+profile at 128K: 89 ms in the gradients kernel, 109 ms in the student's (benchmarks/bench_msa.py
+--backward-kernels).
+
 Shapes: as mosaic_forward.py's; P = 64 keys of an item (KEY_PARTS = 2 per block).
 """
 

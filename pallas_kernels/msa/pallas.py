@@ -8,9 +8,10 @@
   the index projections; a custom VJP ties them together. `Config.forward_kernel="mosaic"` runs
   the forward on Mosaic GPU kernels instead (mosaic_forward.py): one pass without a student;
   with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL.
-  The backward is the Triton one either way (every forward leaves it the same LSE and LSE_z
-  residuals). Queries go in windows of at most `max_window` so that the per-entry shares stay
-  within `partial_bytes` of memory.
+  `Config.backward_kernel="mosaic"` runs the backward on Mosaic GPU kernels (mosaic_backward.py)
+  instead of the Triton one; either backward takes either forward's residuals (every forward
+  leaves the same LSE and LSE_z). Queries go in windows of at most `max_window` so that the
+  per-entry shares stay within `partial_bytes` of memory.
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
 
 The other kernels are written for the Triton lowering of Pallas (a stepping stone towards Mosaic
