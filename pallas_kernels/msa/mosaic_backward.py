@@ -98,8 +98,8 @@ def segment_bound(geo: chunks.Geometry, tiling: Tiling) -> int:
     """Segments the per-segment sums make room for: the segments that continue a block's list
     (each after segment_chunks whole chunks of it, so at most E / (segment_chunks·chunk_queries))
     and the blocks' first segments, here at most 2·ceil(S / block) + 2 blocks per (row, kv head),
-    i.e. rows of up to ceil(S / block) + 2 documents (a row of more gets NaN sums,
-    `sum_partials`), and never more than E."""
+    i.e. rows of up to ceil(S / block) + 2 documents, and never more than E. pallas.py runs a
+    window of more segments through the Triton backward (`sum_partials` would return NaN)."""
     continuing = geo.entries // (tiling.segment_chunks * geo.chunk_queries)
     blocks = geo.batch * geo.num_kv_heads * (2 * -(-geo.seq // geo.block_size) + 2)
     return min(geo.entries, continuing + blocks)

@@ -27,6 +27,7 @@ head dim, k selected blocks per query, W queries per window, E = B·W·K·k sele
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -261,6 +262,10 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     geo = forward_geo
     mosaic = config.uses_mosaic
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
+    # the Triton backward's chunks, for the windows the Mosaic backward can't take
+    fallback_geo = dataclasses.replace(
+        backward_geo, chunk_queries=config.backward.chunk_queries(backward_geo.group)
+    )
 
     def lists_of(geo, tiling, blocks, positions, offset):
         return block_lists.build(
@@ -349,9 +354,9 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         [B, W, K, ...] fp32."""
         return sum(by_slot(p, lists, valid, 0.0).sum(axis=3, dtype=jnp.float32) for p in parts)
 
-    def triton_window(k, v, index_k, segments, sums, window):
+    def triton_window(geo, k, v, index_k, segments, sums, window):
         """The Triton backward of a window; sums: (added, stored) `accumulators`."""
-        geo, tiling = backward_geo, config.backward
+        tiling = config.backward
         q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         student = (_flat(index_q), _flat(index_k)) if with_student else None
@@ -372,12 +377,31 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             diq = selection_sums(diq_part, lists, valid).astype(index_q.dtype)
         return sums, (dq, diq)
 
-    def mosaic_backward_window(keys, index_keys, segment_ids, sums, window):
+    def key_sums(added, stored, k, v, index_k):
+        """The Triton backward's `accumulators` (added, stored) -> dk, dv [B, S, K, Dh] and
+        d(index_k) [B, S, Di] (or None) fp32."""
+        sums = [(a + t)[: -geo.block_size] for a, t in zip(added, stored)]
+        dk, dv = sums[0].reshape(k.shape), sums[1].reshape(v.shape)
+        if not with_student:
+            return dk, dv, None
+        return dk, dv, sums[2].reshape(*index_k.shape[:2], geo.num_kv_heads, -1).sum(axis=2)
+
+    def triton_fallback(k, v, index_k, segments, sums, window):
+        """A window the Mosaic backward has no room for (more segments than `segment_bound`:
+        rows of many short documents) through the Triton backward, its sums in the Mosaic
+        backward's layout."""
+        start = tuple(backward_kernel.accumulators(fallback_geo, with_student) for _ in range(2))
+        (added, stored), grads = triton_window(fallback_geo, k, v, index_k, segments, start, window)
+        dk, dv, dik = key_sums(added, stored, k, v, index_k)
+        new = (dk, dv) + ((dik[:, :, None],) if with_student else ())
+        return tuple(total + x for total, x in zip(sums, new)), grads
+
+    def mosaic_backward_window(keys, index_keys, segment_ids, lists, sums, window):
         """The Mosaic backward of a window; sums: dk, dv [B, S, K, Dh] (and d(index_k)
         [B, S, 1, Di]) fp32."""
         geo, tiling = backward_geo, config.mosaic_backward
         q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
-        lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
+        valid = blocks >= 0
         student = None
         if with_student:
             student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
@@ -396,6 +420,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         d_out, d_kl = cotangents
         windows = _Windows(geo)
         delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
+        segments = segment_ids.reshape(-1).astype(jnp.int32)
         xs = (windows.split(q), windows.split(index_q) if with_student else None,
               windows.split(blocks, fill=-1), windows.split(positions), windows.offsets,
               windows.split(d_out), windows.split(delta),
@@ -408,25 +433,29 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             start = [jnp.zeros(k.shape, jnp.float32)] * 2
             if with_student:
                 start.append(jnp.zeros((*index_k.shape[:2], 1, index_k.shape[2]), jnp.float32))
-            step = lambda sums, window: mosaic_backward_window(  # noqa: E731
-                keys, index_keys, segment_ids, sums, window
-            )
+            tiling = config.mosaic_backward
+            bound = mosaic_backward.segment_bound(backward_geo, tiling)
+
+            def step(sums, window):
+                blocks, positions, offset = window[2:5]
+                lists = lists_of(backward_geo, tiling, blocks, positions, offset)
+                mosaic = functools.partial(mosaic_backward_window, keys, index_keys, segment_ids,
+                                           lists)  # fmt: skip
+                fallback = functools.partial(triton_fallback, k, v, index_k, segments)
+                overflow = lists.num_segments[0] > bound
+                return jax.lax.cond(overflow, fallback, mosaic, sums, window)
+
             sums, (dq, diq) = jax.lax.scan(step, tuple(start), xs)
             dk, dv = sums[:2]
             dik = sums[2][:, :, 0] if with_student else None
         else:
-            segments = segment_ids.reshape(-1).astype(jnp.int32)
             start = tuple(backward_kernel.accumulators(backward_geo, with_student)
                           for _ in range(2))  # fmt: skip
             step = lambda sums, window: triton_window(  # noqa: E731
-                k, v, index_k, segments, sums, window
+                backward_geo, k, v, index_k, segments, sums, window
             )
             (added, totals), (dq, diq) = jax.lax.scan(step, start, xs)
-            sums = [(a + t)[: -geo.block_size] for a, t in zip(added, totals)]
-            dk, dv = sums[0].reshape(k.shape), sums[1].reshape(v.shape)
-            dik = None
-            if with_student:
-                dik = sums[2].reshape(*index_k.shape[:2], geo.num_kv_heads, -1).sum(axis=2)
+            dk, dv, dik = key_sums(added, totals, k, v, index_k)
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
         if not with_student:
             return windows.join(dq), dk, dv, None, None, None, None, None

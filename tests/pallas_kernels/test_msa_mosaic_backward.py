@@ -23,7 +23,7 @@ from test_msa_mosaic_forward import (
     student,
 )
 
-from pallas_kernels.msa import mosaic_backward, mosaic_forward, pallas, reference
+from pallas_kernels.msa import block_lists, mosaic_backward, mosaic_forward, pallas, reference
 
 
 def mosaic(forward_kernel: str = "triton") -> pallas.Config:
@@ -120,3 +120,31 @@ def test_sums_poison_a_window_with_more_segments_than_room():
     sums = [mosaic_backward.sum_partials(geo, table, jnp.array([n]), partials, bound, heads=1)
             for n in (bound, bound + 1)]  # fmt: skip
     assert np.isfinite(sums[0]).all() and np.isnan(sums[1]).all()
+
+
+@pytest.mark.parametrize("with_student", [False, True])
+def test_a_window_of_more_segments_than_room_takes_the_triton_backward(with_student):
+    """Rows of many short documents (3 tokens each: a list per (block, document)) need more
+    segments than `segment_bound` makes room for: that window's gradients come from the Triton
+    backward (under a `lax.cond`), equal to the reference's, not NaN."""
+    q, k, v, _, _, _ = inputs(4, 2, batch=1)
+    seq = q.shape[1]
+    segments = jnp.asarray(np.arange(seq) // 3 + 1, jnp.int32)[None]
+    positions = jnp.asarray(np.arange(seq) % 3, jnp.int32)[None]
+    index_q, index_k = student(2, seq, 1)
+    blocks = reference.top_blocks(index_q, index_k, segments, positions, block_size=BLOCK,
+                                  topk_blocks=2, local_blocks=1)  # fmt: skip
+    config = mosaic()
+    geo = pallas.chunks.Geometry(batch=1, seq=seq, window=seq, num_heads=8, num_kv_heads=2,
+                                 head_dim=q.shape[3], index_dim=index_q.shape[3], topk=2,
+                                 block_size=BLOCK, chunk_queries=8)  # fmt: skip
+    lists = block_lists.build(blocks, positions, jnp.zeros((), jnp.int32), seq=seq,
+                              block_size=BLOCK, chunk_queries=geo.chunk_queries,
+                              segment_chunks=config.mosaic_backward.segment_chunks)  # fmt: skip
+    assert int(lists.num_segments[0]) > mosaic_backward.segment_bound(geo, config.mosaic_backward)
+    args = (q, k, v, blocks, segments, positions)
+    index = (index_q, index_k) if with_student else None
+    got = gradients(config, *args, index)
+    assert len(got) == (5 if with_student else 3)
+    assert all(np.isfinite(as_f32(g)).all() for g in got)
+    assert_gradients_equal(got, reference_gradients(*args, index))
