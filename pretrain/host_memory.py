@@ -1,14 +1,13 @@
-"""This process's host memory: its resident size (now and at peak), and freed memory handed back.
+"""This process's host memory: its resident size, now and at peak, for the checkpoint benchmark.
 
-A checkpoint save allocates its host copies and tensorstore's write buffers in many threads;
-glibc keeps what they free in its per-thread arenas, so each save used to leave the process larger
-(CPU, 64 arrays of 4 MB, 0.27 GB in all: resident 0.58 GB before the first save, 1.25 GB after
-the fifth). `release_freed_memory` after each save keeps it flat (0.54 GB after every save; a trim
-took 4-18 ms). Linux only: elsewhere the readings are 0 and the release does nothing.
+Host memory grows save after save (CPU, 64 arrays of 4 MB, 0.27 GB in all: resident 0.58 GB
+before the first save, 1.25 GB after the fifth): glibc keeps what the save's threads free in
+per-thread arenas. `malloc_trim(0)` after each save kept it flat, but in the full CPU test suite
+the XLA compile of a later train step in the same process then segfaulted (twice, the same test;
+not when run alone), so it is not called (benchmarks/RESULTS.md). Linux only: elsewhere the
+readings are 0.
 """
 
-import ctypes
-import ctypes.util
 import pathlib
 
 _STATUS = pathlib.Path("/proc/self/status")
@@ -32,12 +31,6 @@ def reset_peak() -> None:
         pass
 
 
-def release_freed_memory() -> None:
-    """Returns the memory freed into glibc's arenas to the OS (malloc_trim)."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
 def _status_bytes(key: str) -> int:
     try:
         lines = _STATUS.read_text().splitlines()
@@ -47,15 +40,3 @@ def _status_bytes(key: str) -> int:
         if line.startswith(key):
             return int(line.split()[1]) * 1024  # reported in kB
     return 0
-
-
-def _glibc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _glibc()
