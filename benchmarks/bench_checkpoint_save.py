@@ -15,17 +15,11 @@ time is known:
    the save is complete. The save's cost is the time the call blocked plus what the steps run
    meanwhile took beyond T:
 
-       cost = blocked + sum(step_i - T for the steps while the save was in progress) + polls
+       cost = blocked + sum(step_i - T for the steps while the save was in progress)
 
-   (polls: the time the `Checkpoints.poll` calls took, the last of which also hands the save's
-   freed host memory back), reported as a fraction of one step (cost / T) and of the checkpoint
-   interval (cost / (checkpoint.every_steps x T)); the verdict takes the worst save after the
-   first (the first of a process is listed too).
-
-Per save it also reports Orbax's own phase times (from its jax.monitoring events: the
-device-to-host copy, the rest of its blocking part, the background write) and the process's
-resident host memory before the save, at its peak while the save ran, and after it completed
-(pretrain/host_memory.py; pinned host memory counts).
+   reported as a fraction of one step (cost / T) and of the checkpoint interval
+   (cost / (checkpoint.every_steps x T)); the verdict takes the worst save after the first
+   (the first also sets Orbax's machinery up, once per run; it is listed too).
 
 Each save writes into an emptied `--dir`, which must hold one copy of the state (its size is
 printed first); the directory is removed at the end.
@@ -44,41 +38,12 @@ import jax
 
 from m3jax import xla_flags
 from m3jax.model import functional
-from pretrain import host_memory
 from pretrain.checkpointing import Checkpoints
 from pretrain.config import load_run_config
 from pretrain.data_loading import make_loader
 from pretrain.session import TrainingSession
 
 SAVE_TARGET = 0.03  # issue 18: an async save under 3 % of its step
-ORBAX_PHASES = {  # reported name -> the duration event Orbax (0.12) records
-    "d2h_s": "/jax/orbax/write/async/d2h_duration_secs",
-    "orbax_blocking_s": "/jax/orbax/write/async/blocking_duration_secs",
-    "write_s": "/jax/orbax/write/async/tensorstore_duration_secs",
-}
-
-
-class OrbaxPhases:
-    """While entered: sums the durations of ORBAX_PHASES' events since the last `take`."""
-
-    def __init__(self):
-        self._seconds = dict.fromkeys(ORBAX_PHASES, 0.0)
-        self._names = {event: name for name, event in ORBAX_PHASES.items()}
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-    def _listen(self, event: str, seconds: float, **kwargs) -> None:
-        if event in self._names:
-            self._seconds[self._names[event]] += seconds
-
-    def take(self) -> dict:
-        taken, self._seconds = self._seconds, dict.fromkeys(ORBAX_PHASES, 0.0)
-        return taken
 
 
 def timed_step(session: TrainingSession, batch, mode) -> float:
@@ -88,28 +53,17 @@ def timed_step(session: TrainingSession, batch, mode) -> float:
 
 
 def one_save(session: TrainingSession, loader, batch, mode, step: int, step_s: float) -> dict:
-    """Starts the save of `step`, then steps until it is complete; the cost as in the docstring,
-    host memory in GB."""
-    rss_before = host_memory.resident_bytes()
-    host_memory.reset_peak()
+    """Starts the save of `step`, then steps until it is complete; the cost as in the docstring."""
     start = time.perf_counter()
     session.save(step, loader)
     blocked = time.perf_counter() - start
-    during, polls = [], 0.0
-    while session.run.checkpoint.async_save:
-        poll_start = time.perf_counter()
-        complete = session.checkpoints.poll() is not None
-        polls += time.perf_counter() - poll_start
-        if complete:
-            break
+    during = []
+    while session.run.checkpoint.async_save and session.checkpoints.poll() is None:
         during.append(timed_step(session, batch, mode))
-    complete_s = time.perf_counter() - start
-    cost = blocked + sum(t - step_s for t in during) + polls
-    return {"step": step, "blocked_s": blocked, "complete_s": complete_s,
-            "steps_during": len(during), "polls_s": polls, "cost_s": cost,
-            "cost_of_step": cost / step_s, "rss_before_gb": rss_before / 1e9,
-            "rss_peak_gb": host_memory.peak_resident_bytes() / 1e9,
-            "rss_after_gb": host_memory.resident_bytes() / 1e9}  # fmt: skip
+    complete = time.perf_counter() - start
+    cost = blocked + sum(t - step_s for t in during)
+    return {"step": step, "blocked_s": blocked, "complete_s": complete,
+            "steps_during": len(during), "cost_s": cost, "cost_of_step": cost / step_s}  # fmt: skip
 
 
 def fresh_checkpoints(session: TrainingSession, directory: pathlib.Path) -> None:
@@ -120,17 +74,6 @@ def fresh_checkpoints(session: TrainingSession, directory: pathlib.Path) -> None
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     session.checkpoints = Checkpoints(directory, session.run.checkpoint)
-
-
-def print_table(saves: list[dict], step_s: float) -> None:
-    print(f"\n| save | blocked s (D2H) | complete s (write) | steps meanwhile | cost s | of one "
-          f"step ({step_s * 1e3:.0f} ms) | host GB before / peak / after |\n"
-          "|---|---|---|---|---|---|---|")  # fmt: skip
-    for s in saves:
-        print(f"| step {s['step']} | {s['blocked_s']:.2f} ({s['d2h_s']:.2f}) | "
-              f"{s['complete_s']:.2f} ({s['write_s']:.2f}) | {s['steps_during']} | "
-              f"{s['cost_s']:.3f} | {100 * s['cost_of_step']:.1f} % | {s['rss_before_gb']:.1f} / "
-              f"{s['rss_peak_gb']:.1f} / {s['rss_after_gb']:.1f} |")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,29 +108,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compile {compile_s:.1f} s; step alone: median {step_s * 1e3:.1f} ms over "
           f"{args.steps}", flush=True)  # fmt: skip
     saves, step = [], args.steps + 2
-    with OrbaxPhases() as phases:
-        for _ in range(args.saves):
-            if saves:
-                fresh_checkpoints(session, directory)
-            phases.take()
-            saves.append(one_save(session, loader, batch, mode, step, step_s) | phases.take())
-            step += saves[-1]["steps_during"] + 1
-            print(json.dumps(saves[-1]), flush=True)
-            timed_step(session, batch, mode)  # the next save's step
+    for _ in range(args.saves):
+        if saves:
+            fresh_checkpoints(session, directory)
+        saves.append(one_save(session, loader, batch, mode, step, step_s))
+        step += saves[-1]["steps_during"] + 1
+        print(json.dumps(saves[-1]), flush=True)
+        timed_step(session, batch, mode)  # the next save's step
     session.checkpoints.close()
     shutil.rmtree(directory, ignore_errors=True)
     loader.close()
-    steady = saves[1:] or saves  # the first of a process also pays one-time costs
+    steady = saves[1:] or saves  # the first save also sets Orbax up (once per run)
     worst = max(s["cost_of_step"] for s in steady)
     report = {
         "benchmark": "checkpoint_save", "config": args.config, "overrides": args.overrides,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__, "state_gb": state_gb,
-        "async_save": run.checkpoint.async_save,
-        "pinned_host_copy": run.checkpoint.pinned_host_copy, "step_s": step_s, "saves": saves,
+        "async_save": run.checkpoint.async_save, "step_s": step_s, "saves": saves,
         "worst_cost_of_step": worst, "below_target": worst < SAVE_TARGET,
         "cost_of_interval": worst / run.checkpoint.every_steps,
     }  # fmt: skip
-    print_table(saves, step_s)
+    print(f"\n| save | blocked s | complete s | steps meanwhile | cost s | of one step "
+          f"({step_s * 1e3:.0f} ms) |\n|---|---|---|---|---|---|")  # fmt: skip
+    for s in saves:
+        print(f"| step {s['step']} | {s['blocked_s']:.2f} | {s['complete_s']:.2f} | "
+              f"{s['steps_during']} | {s['cost_s']:.3f} | {100 * s['cost_of_step']:.1f} % |")
     print(json.dumps(report), flush=True)
     return 0
 

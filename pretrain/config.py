@@ -153,9 +153,6 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
-    # GPU: copy the state to pinned host memory (Orbax's default there: faster copies, but its
-    # pool stays allocated); false: to pageable memory. See benchmarks/bench_checkpoint_save.py
-    pinned_host_copy: bool = True
     # An unreadable latest checkpoint: restore the newest intact older one (false: stop instead)
     restore_older_if_corrupt: bool = True
 

@@ -26,7 +26,7 @@ from pretrain.checkpointing import Checkpoints, abstract_with_shardings
 from pretrain.config import RunConfig
 from pretrain.data_loading import process_share, run_mesh
 from pretrain.distributed import data_item, gather, own_data_state
-from pretrain.faults import FaultMonitor, check_finite, prepare_finite_check
+from pretrain.faults import FaultMonitor, check_finite
 from pretrain.mfu import ModelFlops
 from pretrain.msa_schedule import forward_mode, msa_phase
 from pretrain.optimizer import learning_rate, make_optimizer
@@ -94,7 +94,6 @@ class TrainingSession:
             out_shardings=self.state_shardings,
         )
         self.state = init()
-        prepare_finite_check(self.state)
 
     def restore_or_init(self, loader) -> int:
         """Restores the newest intact checkpoint (and the loader's position) or initialises;
@@ -108,7 +107,6 @@ class TrainingSession:
             self.initialize()
             return 0
         step, self.state, data_state, progress = restored
-        prepare_finite_check(self.state)
         try:
             loader.restore(own_data_state(data_state))
         except ValueError as e:

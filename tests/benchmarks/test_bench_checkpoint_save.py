@@ -32,7 +32,7 @@ def test_cost_is_blocked_time_plus_the_slowdown_of_the_steps_meanwhile(monkeypat
     monkeypatch.setattr(bench_checkpoint_save, "timed_step", lambda *args: 1.25)
     save = bench_checkpoint_save.one_save(session, None, None, None, step=7, step_s=1.0)
     assert save["steps_during"] == 3
-    assert save["cost_s"] == pytest.approx(save["blocked_s"] + 3 * 0.25 + save["polls_s"])
+    assert save["cost_s"] == pytest.approx(save["blocked_s"] + 3 * 0.25)
     assert save["cost_of_step"] == pytest.approx(save["cost_s"] / 1.0)
 
 
@@ -49,9 +49,7 @@ def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
     assert [s["step"] for s in report["saves"]] == [4, 4 + report["saves"][0]["steps_during"] + 1]
     for save in report["saves"]:
         assert save["complete_s"] >= save["blocked_s"] > 0
-        assert save["rss_peak_gb"] >= save["rss_before_gb"] > 0 and save["d2h_s"] > 0
         if not async_save:  # a synchronous save is all blocking: no step runs meanwhile
-            assert save["steps_during"] == save["polls_s"] == 0
-            assert save["cost_s"] == save["blocked_s"]
+            assert save["steps_during"] == 0 and save["cost_s"] == save["blocked_s"]
     assert report["worst_cost_of_step"] == report["saves"][1]["cost_of_step"]
     assert not directory.exists()  # removed at the end
