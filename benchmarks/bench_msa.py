@@ -3,6 +3,7 @@ the XLA path) checked, then timed.
 
     python -m benchmarks.bench_msa [--lengths 32768 131072] [--xla-up-to 32768] [--output f.md]
         [--tilings rows=64,warps=4 ...] [--forward-kernels triton mosaic [--phases attn attn-kl]]
+        [--backward-kernels triton mosaic]
 
 Checks first (fresh random inputs, NaN-poisoned memory freed just before each run, so unwritten
 outputs show): the kernels against the O(S²) reference in float32 at a short length, and against
@@ -21,6 +22,12 @@ the sparse attention forward alone on a given selection, without the student (`a
 student followed by its KL pass), each first checked against the XLA path (output, KL, and the
 gradients of q, k, v and both index projections through the shared backward, which reads the
 forward's LSE and LSE_z).
+
+`--backward-kernels` adds the layer's forward+backward once per `Config.backward_kernel` (the
+Triton backward; the Mosaic GPU one), each with the Mosaic forward and the student (variants
+`pallas[bwd=...] fwd+bwd`), each first checked against the XLA path as the default tiling is
+(selection, output, KL, gradients). `--tilings` with no value leaves out the default config's
+variants and checks.
 """
 
 import argparse
@@ -159,6 +166,12 @@ def compare_attention(
             checks.append(check)
             print("check:", json.dumps(check), flush=True)
     return checks
+
+
+def backward_configs(kernels: list[str]) -> dict[str, pallas.Config]:
+    """Per backward kernel, the layer's config: the Mosaic forward and that backward."""
+    return {f"pallas[bwd={kernel}]": pallas.Config(forward_kernel="mosaic", backward_kernel=kernel)
+            for kernel in kernels}  # fmt: skip
 
 
 def cudnn_functions() -> dict:
@@ -309,6 +322,10 @@ def main() -> None:
         help="also time the attention forward alone per forward kernel (phases attn: without "
         "the student, attn-kl: with it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--backward-kernels", nargs="*", default=[], choices=["triton", "mosaic"],
+        help="also time the layer's fwd+bwd per backward kernel (Mosaic forward, with student)",
+    )  # fmt: skip
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", help="profile the kernels' fwd+bwd at the last length here")
     parser.add_argument("--output", help="also write the markdown section here")
@@ -331,6 +348,15 @@ def main() -> None:
                     check = {"tiling": text, "seq": seq, "error": str(e).splitlines()[0][:300]}
                 checks.append(check)
                 print("check:", json.dumps(check), flush=True)
+    for name, config in backward_configs(args.backward_kernels).items():
+        if args.skip_check:
+            break
+        try:
+            check = {"variant": name, **compare(xla, 8192 + 77, jnp.bfloat16, 2, config)}
+        except Exception as e:  # a kernel that does not compile: report, keep going
+            check = {"variant": name, "error": str(e).splitlines()[0][:300]}
+        checks.append(check)
+        print("check:", json.dumps(check), flush=True)
 
     rows, table = [], []
     for seq in args.lengths:
@@ -344,6 +370,9 @@ def main() -> None:
             name = "pallas" if len(configs) == 1 else f"pallas[{text}]"
             variants.update(msa_functions(name, pallas, config=config))
         variants.update(attention_functions(args.forward_kernels))
+        for name, config in backward_configs(args.backward_kernels).items():
+            train = f"{name} fwd+bwd"
+            variants[train] = msa_functions(name, pallas, config=config)[train]
         baseline = {}
         for variant, fn in variants.items():
             if not wanted(variant, phases):

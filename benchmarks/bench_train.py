@@ -4,7 +4,8 @@
         --variants "" "model.attention_impl=xla" "model.layer_types=[full*12]"
 
 Each variant is the config with `section.key=value` overrides (space-separated inside one
-argument). A variant's step is `pretrain.train_step.make_train_step` jitted, on synthetic packed
+argument); `kernels.<field>=value` tokens pin a field of the MSA kernels' `pallas.Config` for that
+variant instead (e.g. `kernels.backward_kernel=triton`; the defaults otherwise). A variant's step is `pretrain.train_step.make_train_step` jitted, on synthetic packed
 rows (random tokens; documents of random lengths, so rows hold several), in the MSA sparse phase
 with the indexer loss, as `m3-train` runs after the warm-up. Reports the median step time over
 `--steps` steps after two warm-up steps, tokens/s, MFU (model FLOPs as m3-train counts them,
@@ -14,8 +15,12 @@ kernel (benchmarks/trace_summary.py). The last stdout line is JSON.
 """
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import json
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +31,7 @@ from benchmarks import trace_summary
 from m3jax import xla_flags
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
+from pallas_kernels.msa import pallas as msa_pallas
 from pretrain.config import load_run_config
 from pretrain.mfu import ModelFlops
 from pretrain.optimizer import learning_rate, make_optimizer
@@ -60,6 +66,31 @@ def synthetic_batch(
     )
 
 
+KERNELS = "kernels."
+
+
+def pinned_kernels(overrides: list[str]) -> contextlib.AbstractContextManager:
+    """Runs the MSA Pallas kernels under the `pallas.Config` that the `kernels.<field>=value`
+    overrides name (values as YAML would read them: strings stay strings)."""
+    fields = {f.name: f.type for f in dataclasses.fields(msa_pallas.Config)}
+    pinned = {}
+    for override in overrides:
+        name, _, value = override.removeprefix(KERNELS).partition("=")
+        if name not in fields:
+            raise ValueError(f"{override!r}: pallas.Config has no field {name!r}")
+        pinned[name] = int(value) if value.isdigit() else value
+    if not pinned:
+        return contextlib.nullcontext()
+    config = msa_pallas.Config(**pinned)
+    stack = contextlib.ExitStack()
+    for name in ("sparse_attention", "unsupported_reason"):
+        function = getattr(msa_pallas, name)
+        stack.enter_context(
+            mock.patch.object(msa_pallas, name, functools.partial(function, config=config))
+        )
+    return stack
+
+
 def time_variant(
     config_path: str,
     overrides: list[str],
@@ -67,6 +98,13 @@ def time_variant(
     trace_dir: str | None = None,
     document_tokens: int = 1500,
 ) -> dict:
+    kernels = [o for o in overrides if o.startswith(KERNELS)]
+    overrides = [o for o in overrides if not o.startswith(KERNELS)]
+    with pinned_kernels(kernels):
+        return _time_variant(config_path, overrides, steps, trace_dir, document_tokens)
+
+
+def _time_variant(config_path, overrides, steps, trace_dir, document_tokens) -> dict:
     run = load_run_config(config_path, overrides)
     model = functional(run.model)
     optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)

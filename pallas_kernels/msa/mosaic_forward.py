@@ -19,12 +19,13 @@ out like the entry's Ge Q rows, each the entry's index row (`index_rows` repeats
 per-entry gather would take k·Ge×), so z shares S's tile layout and mask and costs one more
 64-row wgmma, as much as zero-padding the entries to 64 rows would. The index keys are
 TMA-copied once per segment like K (`shifted_keys` of index_k). Then `kl_pass`, a second kernel
-over the same segments and chunks with the global LSEs per row (`row_lses`): S again, P = exp(S -
-LSE) per head, the teacher t = the group's mean as one wgmma A·P with a constant averaging matrix A
-[R, R] (a reduction across a tile's rows would cross threads and warps; P goes in two 16-bit parts
-for ~16-bit precision), z again, and per row Σ t·(log t - (z·Di^-½ - LSE_z)) where t > 0,
-stored per entry; pallas.py adds a query's k entries. That is the Triton forward pass minus its
-P·V (the Triton path pays its two Q·Kᵀ as well). The index operands enter the wgmma in q's dtype.
+over the same segments and chunks with the global LSEs per row (`row_values` of lse and
+lse_z): S again, P = exp(S - LSE) per head, the teacher t = the group's mean as one wgmma A·P
+with a constant averaging matrix A [R, R] (a reduction across a tile's rows would cross threads
+and warps; P goes in two 16-bit parts for ~16-bit precision), z again, and per row Σ t·(log t -
+(z·Di^-½ - LSE_z)) where t > 0, stored per entry; pallas.py adds a query's k entries. That is
+the Triton forward pass minus its P·V (the Triton path pays its two Q·Kᵀ as well). The index
+operands enter the wgmma in q's dtype.
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
 entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
@@ -67,7 +68,7 @@ entries, R = chunk_queries·Ge rows of a chunk, block = block_size keys.
 """
 
 import dataclasses
-import math
+import functools
 from typing import NamedTuple
 
 import jax
@@ -75,30 +76,33 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_smem import swizzled
 from pallas_kernels.msa import block_lists, chunks
+from pallas_kernels.msa.mosaic_chunks import (
+    TABLE_COLUMNS,
+    TILE_ROWS,
+    block_lse,
+    broadcast,
+    chunk_copies,
+    copy_whole,
+    entry_rows,
+    fetch_chunk,
+    gathers_queries,
+    kl_rows,
+    matmul,
+    normalised,
+    segment_row,
+    softmax_block,
+    store_chunk,
+    visible,
+)
+from pallas_kernels.msa.mosaic_chunks import tiles as tiles_of
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 BLOCK_SIZES = (128,)  # one wgmma N / K tile of keys per block
 HEAD_DIM_MULTIPLE = 64  # the swizzled tiles' minor size in 16-bit elements
 WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its registers
 NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
-TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
-TABLE_COLUMNS = 7  # of `segment_table`
 SHARED_BYTES = 227 * 1024  # the H200's shared memory per program
-LOG2E, LN2 = math.log2(math.e), math.log(2)
-
-
-def entry_rows(group: int) -> int:
-    """Ge: rows of one entry (its G heads, zero-padded to a whole tile)."""
-    return max(group, TILE_ROWS)
-
-
-def gathers_queries(group: int) -> bool:
-    """Whether the kernel TMA-copies each entry's G rows straight from q (G a whole number of
-    tiles: a query's heads of one kv head are G consecutive rows) rather than from rows XLA
-    gathered (G < 8)."""
-    return group % TILE_ROWS == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,26 +206,34 @@ def _entry_pairs(geo: chunks.Geometry, lists: block_lists.BlockLists):
 
 
 def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids, offset):
-    """The kernel's Q operand and row data [2, E·Ge + R] int32 (query's global slot, its segment
-    id) in sorted entry order, Ge rows per entry, padded by one chunk so every chunk's copy is in
-    bounds. Q: the window's rows [B·W·H, Dh] as they are where the kernel copies each entry's
-    rows itself (`gathers_queries`), else Q rows [E·Ge + R, Dh] in sorted entry order (an XLA
-    gather: as many bytes as the kernel's output, written and read once more).
+    """The kernel's Q operand (`sorted_rows`) and row data [2, E·Ge + R] int32 (query's global
+    slot, its segment id) in sorted entry order, Ge rows per entry, padded by one chunk so every
+    chunk's copy is in bounds.
 
     q: [B, W, H, Dh] the window's queries; segment_ids: [B, S]; offset: slot of query 0.
     """
-    query, head = _entry_pairs(geo, lists)
+    query, _ = _entry_pairs(geo, lists)
     batch, index = query // geo.window, query % geo.window
-    grouped = q.reshape(geo.batch * geo.window, geo.num_kv_heads, geo.group, geo.head_dim)
     per_entry, pad = entry_rows(geo.group), geo.chunk_queries
     slot = jnp.minimum(offset + index, geo.seq - 1)  # padded queries of the last window: invalid
     data = jnp.stack([batch * geo.seq + slot, segment_ids.astype(jnp.int32)[batch, slot]])
     data = jnp.repeat(jnp.pad(data, [(0, 0), (0, pad)]), per_entry, axis=1)
+    return sorted_rows(geo, lists, q), data
+
+
+def sorted_rows(geo: chunks.Geometry, lists: block_lists.BlockLists, x) -> jax.Array:
+    """A row matrix of the kernels (Q, dO) from x [B, W, H, D]: its rows [B·W·H, D] as they are
+    where the kernel copies each entry's rows itself (`gathers_queries`), else rows [E·Ge + R, D]
+    in sorted entry order, padded like `presort`'s row data (an XLA gather: as many bytes as the
+    kernel's per-entry output, written and read once more)."""
     if gathers_queries(geo.group):
-        return q.reshape(-1, geo.head_dim), data
+        return x.reshape(-1, x.shape[-1])
+    query, head = _entry_pairs(geo, lists)
+    grouped = x.reshape(geo.batch * geo.window, geo.num_kv_heads, geo.group, x.shape[-1])
+    pad = geo.chunk_queries
     padded = (jnp.pad(query, (0, pad)), jnp.pad(head, (0, pad)))  # one gather writes the pad
-    rows = jnp.pad(grouped[padded], [(0, 0), (0, per_entry - geo.group), (0, 0)])
-    return rows.reshape(-1, geo.head_dim), data
+    rows = jnp.pad(grouped[padded], [(0, 0), (0, entry_rows(geo.group) - geo.group), (0, 0)])
+    return rows.reshape(-1, x.shape[-1])
 
 
 def pad_keys(x: jax.Array, block_size: int) -> jax.Array:
@@ -248,18 +260,21 @@ def index_rows(index_q: jax.Array, dtype) -> jax.Array:
     return jnp.repeat(flat, TILE_ROWS, axis=0)
 
 
-def row_lses(geo: chunks.Geometry, lists: block_lists.BlockLists, lse, lse_z) -> jax.Array:
-    """The KL pass' LSEs per row [2, E·Ge + R] fp32 in sorted entry order (padded like `presort`'s
-    row data): the global LSE of the row's (query, head) and LSE_z of its (query, kv head); 0 for
-    padding heads and where a row sees no key (-inf), which then no visible key reads.
-
-    lse: [B, W, K, G], lse_z: [B, W, K] from `combine`."""
+def row_values(geo: chunks.Geometry, lists: block_lists.BlockLists, heads=(), groups=()):
+    """Per-row fp32 operands [n, E·Ge + R] in sorted entry order (padded like `presort`'s row
+    data): values per (query, head) [B, W, K, G] (0 on padding heads), then values per (query, kv
+    head) [B, W, K] (alike on an entry's rows); 0 where not finite (an LSE of -inf: the row sees
+    no key, so no visible key reads it)."""
     query, head = _entry_pairs(geo, lists)
     per_entry, pad = entry_rows(geo.group), geo.chunk_queries
-    heads = lse.reshape(-1, geo.num_kv_heads, geo.group)[query, head]
-    heads = jnp.pad(heads, [(0, pad), (0, per_entry - geo.group)])
-    index = jnp.pad(lse_z.reshape(-1, geo.num_kv_heads)[query, head], (0, pad))
-    rows = jnp.stack([heads.reshape(-1), jnp.repeat(index, per_entry)])
+    rows = []
+    for value in heads:
+        value = value.reshape(-1, geo.num_kv_heads, geo.group)[query, head]
+        rows.append(jnp.pad(value, [(0, pad), (0, per_entry - geo.group)]).reshape(-1))
+    for value in groups:
+        value = jnp.pad(value.reshape(-1, geo.num_kv_heads)[query, head], (0, pad))
+        rows.append(jnp.repeat(value, per_entry))
+    rows = jnp.stack(rows).astype(jnp.float32)
     return jnp.where(jnp.isfinite(rows), rows, 0.0)
 
 
@@ -295,57 +310,6 @@ def combine(geo: chunks.Geometry, lists, valid, o, lse, lse_z=None):
 
 # ---------------------------------------------------------------------------------------------
 # The kernels
-
-
-def _softmax_block(scale: float, scores, visible):
-    """Logits [R, block] fp32 (to be scaled by `scale`: Dh^-½, or Di^-½ for the student's) and
-    their mask -> (P = exp(S·scale - m) fp32, row max m, row sum l), in base 2 (m in log2 units:
-    exp2 of one fused multiply-add per element); rows that see nothing get m = 0, l = 0, P = 0."""
-    scaled = jnp.where(visible, scores * (scale * LOG2E), -jnp.inf)
-    top = scaled.max(axis=1)
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    probs = jnp.exp2(scaled - jax.lax.broadcast_in_dim(top, scaled.shape, [0]))
-    return probs, top, probs.sum(axis=1)
-
-
-def _block_lse(top, total):
-    """Row max m (log2 units) and row sum l -> the block's natural-log LSE, -inf where l = 0."""
-    seen = total > 0
-    return jnp.where(seen, (top + jnp.log2(jnp.where(seen, total, 1.0))) * LN2, -jnp.inf)
-
-
-def _kl_rows(teacher, log_student):
-    """Per row, Σ over the block's keys of t·(log t - log s) where t > 0 (t = 0 on the keys a
-    row does not see, so their student logits never count): teacher t [R, block] (the group's
-    mean, alike on all rows of an entry), log s = z·Di^-½ - LSE_z [R, block]."""
-    log_teacher = jnp.log2(jnp.maximum(teacher, 1e-30)) * LN2
-    return jnp.where(teacher > 0, teacher * (log_teacher - log_student), 0.0).sum(axis=1)
-
-
-def _visible(query_data, key_slots, key_segments, shape):
-    """[R, block] bool: key in the query's document, not after it, in the block's row."""
-    slot, segment = query_data
-    return (jax.lax.broadcast_in_dim(key_segments, shape, [1])
-            == jax.lax.broadcast_in_dim(segment, shape, [0])) & (
-        jax.lax.broadcast_in_dim(key_slots, shape, [1])
-        <= jax.lax.broadcast_in_dim(slot, shape, [0]))  # fmt: skip
-
-
-def _rows(vector, shape):
-    """A per-row vector [R] broadcast over a tile's columns."""
-    return jax.lax.broadcast_in_dim(vector, shape, [0])
-
-
-def _matmul(shape, *products):
-    """Σ a · b over the (a, b) pairs of shared-memory operands, on wgmma, into a fresh fp32
-    accumulator of `shape`."""
-
-    def body(acc):
-        for a, b in products:
-            plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
 class Walk(NamedTuple):
@@ -414,7 +378,7 @@ def kl_pass(
 ) -> jax.Array:
     """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
     an entry), over the same segments and chunks as `forward`, given the global LSEs per row
-    `lses` (`row_lses`); the other operands as `forward`'s."""
+    `lses` (`row_values` of lse and lse_z); the other operands as `forward`'s."""
     operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, iq=student[0],
                     ik=student[1], lses=lses,
                     average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
@@ -440,22 +404,18 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     queries, stages, dtype = geo.chunk_queries, tiling.stages, operands["q"].dtype
     student, kl = "iq" in operands, "lses" in operands
     index_scale = operands["iq"].shape[1] ** -0.5 if student else None
-    direct = gathers_queries(geo.group)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     block_operands = [name for name in ("k", "v", "kseg", "ik") if name in operands]
     row_operands = ["data", "lses"] if kl else ["data"]
 
     def kernel(*refs, **smem):
         ref = dict(zip([*operands, *outputs], refs))
-        if kl:  # the averaging matrix, once per program
-            plgpu.copy_gmem_to_smem(ref["average"], smem["average"], smem["average_bar"].at[0])
-            plgpu.barrier_wait(smem["average_bar"].at[0])
+        if kl:
+            copy_whole(ref, smem, "average")
 
         def segment_body(index, part):
             del part  # whole blocks
-            first, count, tile, shift, key_slot, row_start, head = (
-                ref["table"][index, column] for column in range(TABLE_COLUMNS)
-            )
+            first, count, tile, shift, key_slot, row_start, head = segment_row(ref, index)
             num_chunks = (count + queries - 1) // queries
             keys = (shift, pl.ds(tile * TILE_ROWS, size), head)
             for bar, name in enumerate(block_operands):  # [8, N, K, D] per head, else [8, N, ...]
@@ -463,29 +423,8 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 plgpu.copy_gmem_to_smem(source, smem[name], smem["key_bars"].at[bar])
 
             def fetch(chunk):
-                slot, start = chunk % stages, (first + chunk * queries) * group
-                bar = smem["q_bars"].at[slot]
-                # (b·W + i)·K + h of each entry (entries past the list: never stored)
-                pairs = [ref["entries"][jnp.minimum(first + chunk * queries + query,
-                                                    geo.entries - 1)] // geo.topk
-                         for query in range(queries if direct or student else 0)]  # fmt: skip
-                if direct:  # each entry's G rows from q
-                    for query, pair in enumerate(pairs):
-                        plgpu.copy_gmem_to_smem(ref["q"].at[pl.ds(pair * group, group)],
-                                                smem["q"].at[slot, pl.ds(query * group, group)],
-                                                bar)  # fmt: skip
-                else:
-                    plgpu.copy_gmem_to_smem(ref["q"].at[pl.ds(start, rows)], smem["q"].at[slot],
-                                            bar)  # fmt: skip
-                for query, pair in enumerate(pairs if student else []):  # a tile of 8 per copy
-                    for part in range(group // TILE_ROWS):
-                        target = pl.ds(query * group + part * TILE_ROWS, TILE_ROWS)
-                        plgpu.copy_gmem_to_smem(ref["iq"].at[pl.ds(pair * TILE_ROWS, TILE_ROWS)],
-                                                smem["iq"].at[slot, target], bar)  # fmt: skip
-                for name in row_operands:
-                    plgpu.copy_gmem_to_smem(ref[name].at[:, pl.ds(start, rows)],
-                                            smem[name].at[slot],
-                                            smem["data_bars"].at[slot])  # fmt: skip
+                fetch_chunk(geo, ref, smem, chunk % stages, first + chunk * queries, ["q"],
+                            student, row_operands)  # fmt: skip
 
             for chunk in range(stages):
                 pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
@@ -499,28 +438,28 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 slot = chunk % stages
                 plgpu.barrier_wait(smem["q_bars"].at[slot])
                 plgpu.barrier_wait(smem["data_bars"].at[slot])
-                logits = _matmul((rows, size), (smem["q"].at[slot], smem["k"].transpose((1, 0))))
+                logits = matmul((rows, size), (smem["q"].at[slot], smem["k"].transpose((1, 0))))
                 per_row = {name: [plgpu.load(smem[name].at[slot, c], layout=row_layout,
                                              optimized=False) for c in range(2)]
                            for name in row_operands}  # fmt: skip
-                visible = _visible(per_row["data"], slots, key_segs, logits.shape)
+                seen = visible(per_row["data"], slots, key_segs, logits.shape)
                 z, results = None, {}
                 if student:
-                    z = _matmul((rows, size), (smem["iq"].at[slot], smem["ik"].transpose((1, 0))))
+                    z = matmul((rows, size), (smem["iq"].at[slot], smem["ik"].transpose((1, 0))))
                 if student and not kl:  # the forward: the block's LSE_z; z is done with
-                    _, z_top, z_total = _softmax_block(index_scale, z, visible)
-                    results["lse_z"] = _block_lse(z_top, z_total)
+                    _, z_top, z_total = softmax_block(index_scale, z, seen)
+                    results["lse_z"] = block_lse(z_top, z_total)
                 # every warp's wgmmas have read the slot's Q and index rows and its loads its row
                 # data (a warpgroup barrier; the proxy fence orders those reads before the TMA
                 # writes)
                 plgpu.commit_smem()
                 pl.when(chunk + stages < num_chunks)(lambda: fetch(chunk + stages))
                 if kl:
-                    results["kl"] = _kl_chunk(smem, logits, visible, z, *per_row["lses"])
+                    results["kl"] = _kl_chunk(smem, logits, seen, z, *per_row["lses"])
                 else:
-                    results.update(_attention_chunk(smem, logits, visible))
-                _store(smem, ref, results, (first + chunk * queries) * group,
-                       count - chunk * queries)  # fmt: skip
+                    results.update(_attention_chunk(smem, logits, seen))
+                store_chunk(geo, smem, ref, results, (first + chunk * queries) * group,
+                            count - chunk * queries)  # fmt: skip
                 return carry
 
             jax.lax.fori_loop(0, num_chunks, chunk_body, 0)
@@ -532,54 +471,29 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
     def _attention_chunk(smem, logits, visible):
         """The forward's per-row results of a chunk: o / l (P·V on wgmma) and the block's LSE."""
-        probs, top, total = _softmax_block(geo.head_dim**-0.5, logits, visible)
+        probs, top, total = softmax_block(geo.head_dim**-0.5, logits, visible)
         smem["p"][...] = probs.astype(dtype)  # the last chunk's P·V has read it
         plgpu.commit_smem()
-        out = _matmul((rows, dim), (smem["p"], smem["v"]))
+        out = matmul((rows, dim), (smem["p"], smem["v"]))
         seen = total > 0
-        out = out * _rows(jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0), out.shape)
-        return {"o": out.astype(dtype), "lse": _block_lse(top, total)}
+        out = out * broadcast(jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0), out.shape)
+        return {"o": out.astype(dtype), "lse": block_lse(top, total)}
 
     def _kl_chunk(smem, logits, visible, z, lse, lse_z):
         """The KL pass' per-row KL share of a chunk: P = exp(S·Dh^-½ - LSE) with the global LSE,
         the teacher A·P on wgmma, the student's log-probabilities. P goes through shared memory
         as a 16-bit high part and the rest (P_high + P_low holds P to ~16 bits, where P_high
         alone, in bf16, put the KL ~1e-3 off the fp32 Triton kernels'); A is exact."""
-        scaled = logits * (geo.head_dim**-0.5 * LOG2E) - _rows(lse * LOG2E, logits.shape)
-        probs = jnp.where(visible, jnp.exp2(scaled), 0.0)
+        probs = normalised(geo.head_dim**-0.5, logits, lse, visible)
         high = probs.astype(dtype)  # the last chunk's teacher has read both parts
         smem["p"][...] = high
         smem["p_low"][...] = (probs - high.astype(jnp.float32)).astype(dtype)
         plgpu.commit_smem()
         average = smem["average"]
-        teacher = _matmul((rows, size), (average, smem["p"]), (average, smem["p_low"]))
-        return _kl_rows(teacher, z * index_scale - _rows(lse_z, z.shape))
+        teacher = matmul((rows, size), (average, smem["p"]), (average, smem["p_low"]))
+        return kl_rows(teacher, z * index_scale - broadcast(lse_z, z.shape))
 
-    def _store(smem, ref, results, start, valid_queries):
-        """Stage a chunk's rows in shared memory and TMA-store its valid queries' rows."""
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores have read
-        for name, value in results.items():
-            smem[f"{name}_out"][...] = value
-        plgpu.commit_smem()
-        whole = valid_queries >= queries
-
-        @pl.when(whole)
-        def _():
-            for name in results:
-                plgpu.copy_smem_to_gmem(smem[f"{name}_out"], ref[name].at[pl.ds(start, rows)],
-                                        commit_group=False)  # fmt: skip
-
-        for query in range(queries):  # a list's last chunk: query by query
-
-            @pl.when(~whole & (query < valid_queries))
-            def _(query=query):
-                some, target = pl.ds(query * group, group), pl.ds(start + query * group, group)
-                for name in results:
-                    plgpu.copy_smem_to_gmem(smem[f"{name}_out"].at[some], ref[name].at[target],
-                                            commit_group=False)  # fmt: skip
-
-        plgpu.commit_smem_to_gmem_group()
-
+    kernel.__name__ = "msa_mosaic_kl_pass" if kl else "msa_mosaic_forward"  # profiles' name
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
@@ -598,11 +512,8 @@ def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict
     block's operands, the rings of chunk operands, P, the output staging `<output>_out`."""
     rows, size, stages, dtype = tiling.rows, geo.block_size, tiling.stages, operands["q"].dtype
 
-    def tiles(*shape):
-        return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-1], dtype))
-
-    direct = gathers_queries(geo.group)
-    chunk_copies = geo.chunk_queries if direct else 1
+    tiles = functools.partial(tiles_of, dtype)
+    index_dim = operands["iq"].shape[1] if "iq" in operands else 0
     scratch = {"k": tiles(size, geo.head_dim)}
     if "v" in operands:
         scratch["v"] = tiles(size, geo.head_dim)
@@ -612,10 +523,8 @@ def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict
         data=plgpu.SMEM((stages, 2, rows), jnp.int32),
         p=tiles(rows, size),
     )
-    if "iq" in operands:
-        index_dim = operands["iq"].shape[1]
+    if index_dim:
         scratch.update(ik=tiles(size, index_dim), iq=tiles(stages, rows, index_dim))
-        chunk_copies += rows // TILE_ROWS
     if "lses" in operands:
         scratch.update(
             lses=plgpu.SMEM((stages, 2, rows), jnp.float32),
@@ -630,7 +539,7 @@ def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict
             scratch[f"{name}_out"] = plgpu.SMEM((rows,), out.dtype)
     scratch.update(
         key_bars=plgpu.Barrier(num_barriers=key_copies),
-        q_bars=plgpu.Barrier(num_arrivals=chunk_copies, num_barriers=stages),
+        q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 1, index_dim), num_barriers=stages),
         data_bars=plgpu.Barrier(num_arrivals=2 if "lses" in operands else 1, num_barriers=stages),
     )
     return scratch

@@ -10,9 +10,11 @@
   with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL.
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
   multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
-  32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. The backward is the Triton one either way (every forward leaves it the same LSE and LSE_z
-  residuals). Queries go in windows of at most `max_window` so that the per-entry shares stay
-  within `partial_bytes` of memory.
+  32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel="mosaic"`
+  runs the backward on Mosaic GPU kernels (mosaic_backward.py) instead of the Triton one (opt-in:
+  timed on the H200 per layer, not yet in training); either backward takes either forward's
+  residuals (every forward leaves the same LSE and LSE_z). Queries go in windows of at most
+  `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
 
 The other kernels are written for the Triton lowering of Pallas (a stepping stone towards Mosaic
@@ -25,6 +27,7 @@ head dim, k selected blocks per query, W queries per window, E = B·W·K·k sele
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +38,7 @@ from pallas_kernels.msa import (
     block_lists,
     chunks,
     forward_kernels,
+    mosaic_backward,
     mosaic_forward,
     selection_kernel,
 )
@@ -60,33 +64,48 @@ class Config:
     # Mosaic where `concrete` picks it
     forward_kernel: str = "auto"
     mosaic: mosaic_forward.Tiling = mosaic_forward.Tiling()
+    # "triton": backward_kernel.py; "mosaic": the Mosaic GPU backward (mosaic_backward.py); "auto":
+    # Mosaic where `concrete` picks it
+    backward_kernel: str = "auto"
+    mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32)
 
     @property
     def uses_mosaic(self) -> bool:
         """Whether the forward runs the Mosaic GPU kernels (with or without a student)."""
         return self.forward_kernel == "mosaic"
 
+    @property
+    def backward_tiling(self):
+        """The backward kernel's tiling (`chunk_queries` and `segment_chunks` alike)."""
+        return self.mosaic_backward if self.backward_kernel == "mosaic" else self.backward
+
 
 def concrete(
     config: Config, q: jax.Array, k: jax.Array, index_q: jax.Array, block_size: int,
     interpret: bool | None = None,
 ) -> Config:  # fmt: skip
-    """`config` with forward_kernel "auto" resolved for these operands: "mosaic" when compiled
-    for a GPU, with each entry's G heads copied straight from q (G a multiple of 8: the layouts
-    timed) and within the Mosaic kernels' limits, else "triton". `index_q` is q without a
-    student."""
-    if config.forward_kernel != "auto":
-        return config
+    """`config` with the "auto" kernels resolved for these operands. The forward: "mosaic" when
+    compiled for a GPU, with each entry's G heads copied straight from q (G a multiple of 8: the
+    layouts timed) and within the Mosaic forward's limits, else "triton". The backward: "mosaic"
+    where the forward resolved to it and the Mosaic backward's limits hold (1.08x small-gpu's
+    training step at 4K rows and at 32K, benchmarks/RESULTS.md), else "triton". `index_q` is q
+    without a student."""
     group = q.shape[2] // k.shape[2]
     index_dim = 0 if index_q is q else index_q.shape[3]
-    mosaic = (
-        not _interpret(interpret)
-        and mosaic_forward.gathers_queries(group)
-        and not mosaic_forward.unsupported_reason(
-            q.dtype, group, q.shape[3], block_size, config.mosaic, index_dim
+    limits = (q.dtype, group, q.shape[3], block_size)
+    if config.forward_kernel == "auto":
+        mosaic = (
+            not _interpret(interpret)
+            and mosaic_forward.gathers_queries(group)
+            and not mosaic_forward.unsupported_reason(*limits, config.mosaic, index_dim)
         )
-    )
-    return dataclasses.replace(config, forward_kernel="mosaic" if mosaic else "triton")
+        config = dataclasses.replace(config, forward_kernel="mosaic" if mosaic else "triton")
+    if config.backward_kernel == "auto":
+        mosaic = config.uses_mosaic and not mosaic_backward.unsupported_reason(
+            *limits, config.mosaic_backward, index_dim
+        )
+        config = dataclasses.replace(config, backward_kernel="mosaic" if mosaic else "triton")
+    return config
 
 
 def _power_of_two(n: int) -> bool:
@@ -109,14 +128,22 @@ def unsupported_reason(
     group, index_heads = q.shape[2] // k.shape[2], index_q.shape[2]
     if config.forward_kernel not in ("auto", "triton", "mosaic"):
         return f"forward_kernel={config.forward_kernel!r} is not 'auto', 'triton' or 'mosaic'"
+    if config.backward_kernel not in ("auto", "triton", "mosaic"):
+        return f"backward_kernel={config.backward_kernel!r} is not 'auto', 'triton' or 'mosaic'"
     config = concrete(config, q, k, index_q, block_size, interpret)
+    index_dim = 0 if index_q is q else index_q.shape[3]
     if config.uses_mosaic:
-        index_dim = 0 if index_q is q else index_q.shape[3]
         reason = mosaic_forward.unsupported_reason(
             q.dtype, group, q.shape[3], block_size, config.mosaic, index_dim
         )
         if reason:
             return f"Mosaic forward: {reason}"
+    if config.backward_kernel == "mosaic":
+        reason = mosaic_backward.unsupported_reason(
+            q.dtype, group, q.shape[3], block_size, config.mosaic_backward, index_dim
+        )
+        if reason:
+            return f"Mosaic backward: {reason}"
     for rows in (config.forward.rows, config.backward.rows):
         if rows % group or (rows // group) & (rows // group - 1):
             return (
@@ -205,7 +232,7 @@ def sparse_attention(
             block_size=block_size,
             chunk_queries=tiling.chunk_queries(num_heads // num_kv_heads),
         )  # fmt: skip
-        for tiling in (forward_tiling, config.backward)
+        for tiling in (forward_tiling, config.backward_tiling)
     )
     attention = _attention(forward_geo, backward_geo, config, _interpret(interpret),
                            student is not None)  # fmt: skip
@@ -242,6 +269,10 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     geo = forward_geo
     mosaic = config.uses_mosaic
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
+    # the Triton backward's chunks, for the windows the Mosaic backward can't take
+    fallback_geo = dataclasses.replace(
+        backward_geo, chunk_queries=config.backward.chunk_queries(backward_geo.group)
+    )
 
     def lists_of(geo, tiling, blocks, positions, offset):
         return block_lists.build(
@@ -268,7 +299,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         out, lse, lse_z = mosaic_forward.combine(geo, lists, valid, o, lse_e, lse_z_e)
         kl = None
         if with_student:
-            lses = mosaic_forward.row_lses(geo, lists, lse, lse_z)
+            lses = mosaic_forward.row_values(geo, lists, [lse], [lse_z])
             kl_e = mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student,
                                           lses, **kernels)  # fmt: skip
             # each entry's KL share sits in its first row; a query's k shares add up
@@ -325,51 +356,118 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z)
         return (out, kl), residuals
 
+    def selection_sums(parts, lists, valid):
+        """Per-entry shares [parts, E, ...] -> their sums over each query's k selections
+        [B, W, K, ...] fp32."""
+        return sum(by_slot(p, lists, valid, 0.0).sum(axis=3, dtype=jnp.float32) for p in parts)
+
+    def triton_window(geo, k, v, index_k, segments, sums, window):
+        """The Triton backward of a window; sums: (added, stored) `accumulators`."""
+        tiling = config.backward
+        q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
+        lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
+        student = (_flat(index_q), _flat(index_k)) if with_student else None
+        added, totals = sums
+        dq_part, diq_part, added, stored = backward_kernel.backward_pass(
+            geo, tiling, lists, offset.reshape(1), _flat(q), _flat(k), _flat(v), segments,
+            lse.reshape(-1), delta.reshape(-1), _flat(d_out.astype(q.dtype)), student,
+            None if lse_z is None else lse_z.reshape(-1),
+            None if d_kl is None else d_kl.reshape(-1).astype(jnp.float32), added, **kernels,
+        )  # fmt: skip
+        sums = added, tuple(total + new for total, new in zip(totals, stored))
+        parts = tiling.key_split
+        dq_part = dq_part.reshape(parts, -1, geo.group, geo.head_dim)
+        dq = selection_sums(dq_part, lists, valid).reshape(q.shape).astype(q.dtype)
+        diq = None
+        if with_student:
+            diq_part = diq_part.reshape(parts, -1, geo.index_dim)
+            diq = selection_sums(diq_part, lists, valid).astype(index_q.dtype)
+        return sums, (dq, diq)
+
+    def key_sums(added, stored, k, v, index_k):
+        """The Triton backward's `accumulators` (added, stored) -> dk, dv [B, S, K, Dh] and
+        d(index_k) [B, S, Di] (or None) fp32."""
+        sums = [(a + t)[: -geo.block_size] for a, t in zip(added, stored)]
+        dk, dv = sums[0].reshape(k.shape), sums[1].reshape(v.shape)
+        if not with_student:
+            return dk, dv, None
+        return dk, dv, sums[2].reshape(*index_k.shape[:2], geo.num_kv_heads, -1).sum(axis=2)
+
+    def triton_fallback(k, v, index_k, segments, sums, window):
+        """A window the Mosaic backward has no room for (more segments than `segment_bound`:
+        rows of many short documents) through the Triton backward, its sums in the Mosaic
+        backward's layout."""
+        start = tuple(backward_kernel.accumulators(fallback_geo, with_student) for _ in range(2))
+        (added, stored), grads = triton_window(fallback_geo, k, v, index_k, segments, start, window)
+        dk, dv, dik = key_sums(added, stored, k, v, index_k)
+        new = (dk, dv) + ((dik[:, :, None],) if with_student else ())
+        return tuple(total + x for total, x in zip(sums, new)), grads
+
+    def mosaic_backward_window(keys, index_keys, segment_ids, lists, sums, window):
+        """The Mosaic backward of a window; sums: dk, dv [B, S, K, Dh] (and d(index_k)
+        [B, S, 1, Di]) fp32."""
+        geo, tiling = backward_geo, config.mosaic_backward
+        q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
+        valid = blocks >= 0
+        student = None
+        if with_student:
+            student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
+        operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
+                        d_kl=d_kl, segment_ids=segment_ids, offset=offset)  # fmt: skip
+        dq_e, *new, diq_e, dik = mosaic_backward.window_gradients(
+            geo, tiling, lists, operands, keys, student, **kernels
+        )
+        sums = tuple(total + x for total, x in zip(sums, new + ([dik] if with_student else [])))
+        dq = selection_sums(dq_e, lists, valid).reshape(q.shape).astype(q.dtype)
+        diq = selection_sums(diq_e, lists, valid).astype(index_q.dtype) if with_student else None
+        return sums, (dq, diq)
+
     def backward(residuals, cotangents):
         q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z = residuals
         d_out, d_kl = cotangents
         windows = _Windows(geo)
-        segments = segment_ids.reshape(-1).astype(jnp.int32)
         delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
-
-        def backward_window(sums, window):
-            geo, tiling = backward_geo, config.backward
-            q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
-            lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
-            student = (_flat(index_q), _flat(index_k)) if with_student else None
-            added, totals = sums
-            dq_part, diq_part, added, stored = backward_kernel.backward_pass(
-                geo, tiling, lists, offset.reshape(1), _flat(q), _flat(k), _flat(v), segments,
-                lse.reshape(-1), delta.reshape(-1), _flat(d_out.astype(q.dtype)), student,
-                None if lse_z is None else lse_z.reshape(-1),
-                None if d_kl is None else d_kl.reshape(-1).astype(jnp.float32), added, **kernels,
-            )  # fmt: skip
-            sums = added, tuple(total + new for total, new in zip(totals, stored))
-            parts = tiling.key_split
-            dq_part = dq_part.reshape(parts, -1, geo.group, geo.head_dim)
-            dq = sum(by_slot(p, lists, valid, 0.0).sum(axis=3, dtype=jnp.float32) for p in dq_part)
-            dq = dq.reshape(q.shape).astype(q.dtype)
-            diq = None
-            if with_student:
-                diq_part = diq_part.reshape(parts, -1, geo.index_dim)
-                diq = sum(by_slot(p, lists, valid, 0.0).sum(axis=3) for p in diq_part)
-                diq = diq.astype(index_q.dtype)
-            return sums, (dq, diq)
-
+        segments = segment_ids.reshape(-1).astype(jnp.int32)
         xs = (windows.split(q), windows.split(index_q) if with_student else None,
               windows.split(blocks, fill=-1), windows.split(positions), windows.offsets,
               windows.split(d_out), windows.split(delta),
-              windows.split(d_kl) if with_student else None, lse, lse_z)  # fmt: skip
-        start = tuple(backward_kernel.accumulators(backward_geo, with_student) for _ in range(2))
-        (added, totals), (dq, diq) = jax.lax.scan(backward_window, start, xs)
-        sums = [(a + t)[: -geo.block_size] for a, t in zip(added, totals)]
-        dk = sums[0].reshape(k.shape).astype(k.dtype)
-        dv = sums[1].reshape(v.shape).astype(v.dtype)
+              windows.split(d_kl.astype(jnp.float32)) if with_student else None, lse,
+              lse_z)  # fmt: skip
+        if config.backward_kernel == "mosaic":
+            shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
+            keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))
+            index_keys = shifted(index_k.astype(q.dtype)) if with_student else None
+            start = [jnp.zeros(k.shape, jnp.float32)] * 2
+            if with_student:
+                start.append(jnp.zeros((*index_k.shape[:2], 1, index_k.shape[2]), jnp.float32))
+            tiling = config.mosaic_backward
+            bound = mosaic_backward.segment_bound(backward_geo, tiling)
+
+            def step(sums, window):
+                blocks, positions, offset = window[2:5]
+                lists = lists_of(backward_geo, tiling, blocks, positions, offset)
+                mosaic = functools.partial(mosaic_backward_window, keys, index_keys, segment_ids,
+                                           lists)  # fmt: skip
+                fallback = functools.partial(triton_fallback, k, v, index_k, segments)
+                overflow = lists.num_segments[0] > bound
+                return jax.lax.cond(overflow, fallback, mosaic, sums, window)
+
+            sums, (dq, diq) = jax.lax.scan(step, tuple(start), xs)
+            dk, dv = sums[:2]
+            dik = sums[2][:, :, 0] if with_student else None
+        else:
+            start = tuple(backward_kernel.accumulators(backward_geo, with_student)
+                          for _ in range(2))  # fmt: skip
+            step = lambda sums, window: triton_window(  # noqa: E731
+                backward_geo, k, v, index_k, segments, sums, window
+            )
+            (added, totals), (dq, diq) = jax.lax.scan(step, start, xs)
+            dk, dv, dik = key_sums(added, totals, k, v, index_k)
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
         if not with_student:
             return windows.join(dq), dk, dv, None, None, None, None, None
-        dik = sums[2].reshape(*index_k.shape[:2], geo.num_kv_heads, -1).sum(axis=2)
-        dik = dik.astype(index_k.dtype)
-        return windows.join(dq), dk, dv, windows.join(diq), dik, None, None, None
+        diq = windows.join(diq).astype(index_q.dtype)
+        return windows.join(dq), dk, dv, diq, dik.astype(index_k.dtype), None, None, None
 
     @jax.custom_vjp
     def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions):

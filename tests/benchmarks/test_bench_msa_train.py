@@ -1,10 +1,13 @@
 """The GPU benchmarks' own logic, on CPU: bench_msa's kernel configs and phase filter, bench_train's
-synthetic packed rows; bench_msa_tpu's refusal without a TPU."""
+synthetic packed rows and pinned kernels; bench_msa_tpu's refusal without a TPU."""
+
+import functools
 
 import numpy as np
 import pytest
 
 from benchmarks import bench_msa, bench_msa_tpu, bench_train
+from pallas_kernels.msa import pallas as msa_pallas
 
 
 def test_parse_tiling_sets_fields_of_each_part():
@@ -47,6 +50,18 @@ def test_synthetic_batch_packs_documents_with_positions_from_zero():
         assert (np.diff(row_positions)[inside[1:]] == 1).all()
     assert documents >= 9  # rows hold several documents (≈ 4096 / 700 each on average)
     assert (np.asarray(batch.targets)[:, :-1] == np.asarray(batch.tokens)[:, 1:]).all()
+
+
+def test_pinned_kernels_reach_the_msa_kernels_for_one_variant_only():
+    pins = ["kernels.forward_kernel=mosaic", "kernels.backward_kernel=triton"]
+    with bench_train.pinned_kernels(pins):
+        config = msa_pallas.sparse_attention.keywords["config"]
+        assert (config.forward_kernel, config.backward_kernel) == ("mosaic", "triton")
+        assert msa_pallas.unsupported_reason.keywords["config"] is config
+    assert not isinstance(msa_pallas.sparse_attention, functools.partial)
+    assert not isinstance(msa_pallas.unsupported_reason, functools.partial)
+    with pytest.raises(ValueError, match="no field 'colour'"):
+        bench_train.pinned_kernels(["kernels.colour=red"])
 
 
 def test_tpu_bench_refuses_to_time_without_a_tpu(monkeypatch):

@@ -146,21 +146,28 @@ def test_student_gradients_equal_the_triton_forwards(group, kv_heads):
 def test_lowers_for_cuda_without_a_gpu(with_student):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints) runs on CPU: the forward
     kernel, with a student also its LSE_z outputs and the KL pass (Di = 128, M3's)."""
-    struct = jax.ShapeDtypeStruct
-    q = struct((1, 512, 32, 128), jnp.bfloat16)
-    kv = struct((1, 512, 2, 128), jnp.bfloat16)
-    blocks = struct((1, 512, 2, 4), jnp.int32)
-    rows = struct((1, 512), jnp.int32)
-    index = (struct((1, 512, 2, 128), jnp.bfloat16), struct((1, 512, 128), jnp.bfloat16))
 
     def forward(q, k, v, blocks, segments, positions, *index):
         return pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
                                        student=index or None, config=mosaic(16),
                                        interpret=False)  # fmt: skip
 
-    operands = (q, kv, kv, blocks, rows, rows) + (index if with_student else ())
-    text = jax.jit(forward).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(forward).trace(*cuda_operands(with_student)).lower(
+        lowering_platforms=("cuda",)
+    ).as_text()
     assert text.count("custom_call @mosaic_gpu") == (2 if with_student else 1)
+
+
+def cuda_operands(with_student: bool) -> tuple:
+    """Abstract operands of a layer with M3's head and index dims (G = 16, Dh = Di = 128) for the
+    lowering checks: q, k, v, blocks, segment ids, positions (and index_q, index_k)."""
+    struct = jax.ShapeDtypeStruct
+    q = struct((1, 512, 32, 128), jnp.bfloat16)
+    kv = struct((1, 512, 2, 128), jnp.bfloat16)
+    blocks = struct((1, 512, 2, 4), jnp.int32)
+    rows = struct((1, 512), jnp.int32)
+    index = (struct((1, 512, 2, 128), jnp.bfloat16), struct((1, 512, 128), jnp.bfloat16))
+    return (q, kv, kv, blocks, rows, rows) + (index if with_student else ())
 
 
 def test_unsupported_reason_names_the_mosaic_limits():
@@ -203,5 +210,5 @@ def test_auto_takes_the_mosaic_forward_only_compiled_on_the_layouts_it_was_timed
     assert kernel(q4, k4) == "triton"
     assert kernel(q8.astype(jnp.float32), k8.astype(jnp.float32)) == "triton"
     assert kernel(q8, k8, block_size=64) == "triton"
-    explicit = pallas.Config(forward_kernel="triton")
+    explicit = pallas.Config(forward_kernel="triton", backward_kernel="triton")
     assert pallas.concrete(explicit, q8, k8, q8, BLOCK, False) is explicit

@@ -1,0 +1,186 @@
+"""What the Mosaic GPU MSA kernels share (mosaic_forward.py, mosaic_backward.py): the row layout
+of a chunk, the TMA copies that fill a chunk's ring slot and store its per-row results, masks and
+wgmma helpers.
+
+A chunk is R rows: chunk_queries entries of Ge rows each (an entry's G heads, zero-padded to a
+whole 8-row tile), in the sorted entry order of `block_lists.build`. With G a multiple of 8 a
+chunk's row matrices (Q, and dO in the backward) are TMA-copied entry by entry straight from their
+[B·W·H, D] arrays; with G < 8 XLA gathers them in sorted order first (`sorted_rows`) so that one
+copy fills a chunk.
+
+Shapes: G = H // K query heads per kv head, Ge = max(G, 8), R rows of a chunk, block keys.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_smem import swizzled
+
+TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
+TABLE_COLUMNS = 7  # of `mosaic_forward.segment_table`
+LOG2E, LN2 = math.log2(math.e), math.log(2)
+
+
+def entry_rows(group: int) -> int:
+    """Ge: rows of one entry (its G heads, zero-padded to a whole tile)."""
+    return max(group, TILE_ROWS)
+
+
+def gathers_queries(group: int) -> bool:
+    """Whether the kernel TMA-copies each entry's G rows straight from q (G a whole number of
+    tiles: a query's heads of one kv head are G consecutive rows) rather than from rows XLA
+    gathered (G < 8)."""
+    return group % TILE_ROWS == 0
+
+
+def fetch_chunk(geo, ref, smem, slot, first_entry, matrices, student: bool, row_operands):
+    """Issue the TMA copies of the chunk whose first sorted entry is `first_entry` into ring slot
+    `slot`: the row matrices `matrices` (each entry's rows, or one copy of XLA-gathered rows) and
+    with a student the index rows (a tile of 8 per copy) on `q_bars`, the per-row operands
+    `row_operands` ([n, E·Ge + R] each) on `data_bars`."""
+    group, queries = entry_rows(geo.group), geo.chunk_queries
+    rows, direct = queries * group, gathers_queries(geo.group)
+    start, bar = first_entry * group, smem["q_bars"].at[slot]
+    # (b·W + i)·K + h of each entry (entries past the list: never stored)
+    pairs = [ref["entries"][jnp.minimum(first_entry + query, geo.entries - 1)] // geo.topk
+             for query in range(queries if direct or student else 0)]  # fmt: skip
+    for name in matrices:
+        if direct:  # each entry's G rows from its [B·W·H, D] array
+            for query, pair in enumerate(pairs):
+                plgpu.copy_gmem_to_smem(ref[name].at[pl.ds(pair * group, group)],
+                                        smem[name].at[slot, pl.ds(query * group, group)],
+                                        bar)  # fmt: skip
+        else:
+            plgpu.copy_gmem_to_smem(ref[name].at[pl.ds(start, rows)], smem[name].at[slot], bar)
+    for query, pair in enumerate(pairs if student else []):  # a tile of 8 per copy
+        for part in range(group // TILE_ROWS):
+            target = pl.ds(query * group + part * TILE_ROWS, TILE_ROWS)
+            plgpu.copy_gmem_to_smem(ref["iq"].at[pl.ds(pair * TILE_ROWS, TILE_ROWS)],
+                                    smem["iq"].at[slot, target], bar)  # fmt: skip
+    for name in row_operands:
+        plgpu.copy_gmem_to_smem(ref[name].at[:, pl.ds(start, rows)], smem[name].at[slot],
+                                smem["data_bars"].at[slot])  # fmt: skip
+
+
+def segment_row(ref, index) -> tuple:
+    """The columns of `mosaic_forward.segment_table` for segment `index`: first sorted entry,
+    entries, K/V window tile and shift, first key's global slot, b·S, kv head."""
+    return tuple(ref["table"][index, column] for column in range(TABLE_COLUMNS))
+
+
+def copy_whole(ref, smem, name: str) -> None:
+    """TMA-copy operand `name` into shared memory once per program (the averaging matrix)."""
+    plgpu.copy_gmem_to_smem(ref[name], smem[name], smem[f"{name}_bar"].at[0])
+    plgpu.barrier_wait(smem[f"{name}_bar"].at[0])
+
+
+def chunk_copies(geo, matrices: int, index_dim: int) -> int:
+    """TMA copies that arrive on a ring slot's `q_bars` per chunk (`fetch_chunk`)."""
+    per_matrix = geo.chunk_queries if gathers_queries(geo.group) else 1
+    rows = geo.chunk_queries * entry_rows(geo.group)
+    return matrices * per_matrix + (rows // TILE_ROWS if index_dim else 0)
+
+
+def store_chunk(geo, smem, ref, results: dict, start, valid_queries, stored_rows: int = 0):
+    """Stage a chunk's per-row results in shared memory (`<name>_out`) and TMA-store the first
+    `stored_rows` rows (Ge by default) of each valid query's entry at GMEM row `start` +
+    query·stored_rows: in one copy when the chunk is whole and stores every row, else query by
+    query (a list's last chunk: the entries after it belong to the next block's list, whose
+    program writes them; the interpreter has no predicated copies)."""
+    group, queries = entry_rows(geo.group), geo.chunk_queries
+    stored_rows = stored_rows or group
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores have read
+    for name, value in results.items():
+        smem[f"{name}_out"][...] = value
+    plgpu.commit_smem()
+    whole = valid_queries >= queries
+
+    if stored_rows == group:
+
+        @pl.when(whole)
+        def _():
+            for name in results:
+                plgpu.copy_smem_to_gmem(smem[f"{name}_out"],
+                                        ref[name].at[pl.ds(start, queries * group)],
+                                        commit_group=False)  # fmt: skip
+
+    for query in range(queries):
+
+        @pl.when((stored_rows != group or ~whole) & (query < valid_queries))
+        def _(query=query):
+            some = pl.ds(query * group, stored_rows)
+            target = pl.ds(start + query * stored_rows, stored_rows)
+            for name in results:
+                plgpu.copy_smem_to_gmem(smem[f"{name}_out"].at[some], ref[name].at[target],
+                                        commit_group=False)  # fmt: skip
+
+    plgpu.commit_smem_to_gmem_group()
+
+
+def softmax_block(scale: float, scores, visible):
+    """Logits [R, block] fp32 (to be scaled by `scale`: Dh^-½, or Di^-½ for the student's) and
+    their mask -> (P = exp(S·scale - m) fp32, row max m, row sum l), in base 2 (m in log2 units:
+    exp2 of one fused multiply-add per element); rows that see nothing get m = 0, l = 0, P = 0."""
+    scaled = jnp.where(visible, scores * (scale * LOG2E), -jnp.inf)
+    top = scaled.max(axis=1)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    probs = jnp.exp2(scaled - jax.lax.broadcast_in_dim(top, scaled.shape, [0]))
+    return probs, top, probs.sum(axis=1)
+
+
+def block_lse(top, total):
+    """Row max m (log2 units) and row sum l -> the block's natural-log LSE, -inf where l = 0."""
+    seen = total > 0
+    return jnp.where(seen, (top + jnp.log2(jnp.where(seen, total, 1.0))) * LN2, -jnp.inf)
+
+
+def normalised(scale: float, scores, lse, visible, axis: int = 0):
+    """exp(S·scale - LSE) where visible, else 0: probabilities under a global LSE per query row,
+    the rows along `axis` of the tile (0; the backward's transposed tiles have them along 1)."""
+    scaled = scores * (scale * LOG2E) - broadcast(lse * LOG2E, scores.shape, axis)
+    return jnp.where(visible, jnp.exp2(scaled), 0.0)
+
+
+def kl_rows(teacher, log_student, axis: int = 1):
+    """Per row, Σ over the block's keys of t·(log t - log s) where t > 0 (t = 0 on the keys a
+    row does not see, so their student logits never count): teacher t [R, block] (the group's
+    mean, alike on all rows of an entry), log s = z·Di^-½ - LSE_z [R, block]."""
+    log_teacher = jnp.log2(jnp.maximum(teacher, 1e-30)) * LN2
+    return jnp.where(teacher > 0, teacher * (log_teacher - log_student), 0.0).sum(axis=axis)
+
+
+def visible(query_data, key_slots, key_segments, shape, key_axis: int = 1):
+    """bool tile of `shape`: key in the query's document, not after it, in the block's row; keys
+    along `key_axis` (1: [R, block]; 0: the backward's transposed [block, R])."""
+    slot, segment = query_data
+    query_axis = 1 - key_axis
+    same_document = broadcast(key_segments, shape, key_axis) == broadcast(segment, shape,
+                                                                          query_axis)
+    return same_document & (broadcast(key_slots, shape, key_axis)
+                            <= broadcast(slot, shape, query_axis))  # fmt: skip
+
+
+def broadcast(vector, shape, axis: int = 0):
+    """A vector broadcast along the other axis of a 2-D tile (axis 0: one value per row)."""
+    return jax.lax.broadcast_in_dim(vector, shape, [axis])
+
+
+def matmul(shape, *products):
+    """Σ a · b over the (a, b) pairs of shared-memory operands, on wgmma, into a fresh fp32
+    accumulator of `shape`."""
+
+    def body(acc):
+        for a, b in products:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def tiles(dtype, *shape):
+    """Shared memory of `shape` in swizzled 8-row tiles (TMA and wgmma operands)."""
+    return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-1], dtype))

@@ -1,0 +1,187 @@
+"""The Mosaic GPU MSA backward (`Config.backward_kernel="mosaic"`), with and without the indexer's
+student, run by Mosaic GPU's interpreter on CPU: its gradients against jax.grad of the O(S²)
+reference in float32 on the same bf16 inputs, and against the Triton backward's; its lowering for
+CUDA, which needs no GPU.
+
+Inputs as test_msa_mosaic_forward.py's: S = 300 (not a multiple of the block), batch 2, row 0
+packs a document that starts mid-block, early queries have fewer than k valid blocks (-1).
+Segments of two chunks, so long block lists go on in later segments (their dK, dV sums meet in
+XLA) and many chunks are a list's partial last one.
+"""
+
+import functools
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_msa_mosaic_forward import (
+    BLOCK,
+    as_f32,
+    assert_gradients_equal,
+    cuda_operands,
+    gradients,
+    inputs,
+    student,
+)
+
+from pallas_kernels.msa import (
+    backward_kernel,
+    block_lists,
+    mosaic_backward,
+    mosaic_forward,
+    pallas,
+    reference,
+)
+
+
+def mosaic(forward_kernel: str = "triton") -> pallas.Config:
+    return pallas.Config(forward_kernel=forward_kernel, backward_kernel="mosaic",
+                         mosaic_backward=mosaic_forward.Tiling(segment_chunks=2))  # fmt: skip
+
+
+def reference_gradients(q, k, v, blocks, segments, positions, index=None):
+    """`gradients`' loss through the reference in float32 (same weights)."""
+    keys = jax.random.split(jax.random.key(7), 2)
+    weights = jax.random.normal(keys[0], q.shape)
+    kl_weights = jax.random.normal(keys[1], (*q.shape[:2], k.shape[2]))
+
+    def loss(q, k, v, *index):
+        out, kl = reference.sparse_attention(q, k, v, blocks, segments, positions,
+                                             block_size=BLOCK, student=index or None)  # fmt: skip
+        value = (out * weights).sum()
+        return value if kl is None else value + (kl * kl_weights).sum()
+
+    operands = [x.astype(jnp.float32) for x in (q, k, v) + (index or ())]
+    return jax.grad(loss, argnums=tuple(range(len(operands))))(*operands)
+
+
+@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
+def test_gradients_match_reference_and_triton(group, kv_heads):
+    """d(q, k, v): G = 4 (Q and dO rows gathered by XLA, entries padded to 8 rows) and G = 16
+    (the kernel copies each entry's rows itself)."""
+    args = inputs(group, kv_heads)
+    assert (np.asarray(args[3]) == -1).any()
+    got = gradients(mosaic(), *args)
+    assert all(np.isfinite(as_f32(g)).all() for g in got)
+    assert_gradients_equal(got, reference_gradients(*args))
+    assert_gradients_equal(got, gradients(pallas.Config(), *args))
+
+
+@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
+def test_student_gradients_match_reference_and_triton(group, kv_heads):
+    """d(q, k, v, index_q, index_k) with the student, after the Mosaic forward (its LSE and
+    LSE_z residuals); the packed row alone, to keep the interpreter's time down."""
+    args = inputs(group, kv_heads, batch=1)
+    index = student(kv_heads, args[0].shape[1], args[0].shape[0])
+    got = gradients(mosaic("mosaic"), *args, index=index)
+    assert_gradients_equal(got, reference_gradients(*args, index=index))
+    assert_gradients_equal(got, gradients(pallas.Config(), *args, index=index))
+
+
+@pytest.mark.parametrize("with_student", [False, True])
+def test_lowers_for_cuda_without_a_gpu(with_student):
+    """Mosaic GPU's lowering (layout inference, TMA and tile constraints, wgmma operands) of the
+    backward kernels at Dh = Di = 128, G = 16: the forward, then the gradients kernel and with a
+    student its own (the forward's KL pass feeds no gradient and is left out). The Triton
+    fallback for windows of too many segments lowers only with a GPU present: zeros of its
+    kernel's shapes stand in for it here."""
+    config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic")
+    triton = backward_kernel.backward_pass
+
+    def stand_in(geo, tiling, *arrays, **kwargs):
+        shapes = jax.eval_shape(functools.partial(triton, geo, tiling, **kwargs), *arrays)
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+    def loss(q, k, v, blocks, segments, positions, *index):
+        out, kl = pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
+                                          student=index or None, config=config,
+                                          interpret=False)  # fmt: skip
+        return out.astype(jnp.float32).sum() + (0.0 if kl is None else kl.sum())
+
+    operands = cuda_operands(with_student)
+    differentiated = (0, 1, 2, 6, 7) if with_student else (0, 1, 2)
+    grad = jax.jit(jax.grad(loss, argnums=differentiated))
+    with mock.patch.object(backward_kernel, "backward_pass", stand_in):
+        text = grad.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == (3 if with_student else 2)
+
+
+def test_unsupported_reason_names_the_backward_limits():
+    q, k, _, _, _, _ = inputs(4, 2, seq=8, batch=1)
+    config = mosaic()
+    reason = lambda q, k, index_q=None, **kw: pallas.unsupported_reason(  # noqa: E731
+        q, k, q if index_q is None else index_q,
+        **{"block_size": BLOCK, "config": config, "interpret": True, **kw},
+    )  # fmt: skip
+    assert reason(q, k) == ""
+    assert "Mosaic backward: dtype float32" in reason(q.astype(jnp.float32), k)
+    # Dh = 192: the forward fits, the backward's rings of Q and dO do not
+    wide_q, wide_k = jnp.tile(q, (1, 1, 1, 3)), jnp.tile(k, (1, 1, 1, 3))
+    assert mosaic_forward.shared_bytes(mosaic_forward.Tiling(), 192, BLOCK) <= 227 * 1024
+    assert "shared memory in the backward" in reason(wide_q, wide_k)
+    odd = pallas.Config(backward_kernel="cuda")
+    assert "backward_kernel='cuda'" in pallas.unsupported_reason(q, k, q, block_size=BLOCK,
+                                                                 config=odd)  # fmt: skip
+    assert reason(q, k, student(2, 8, 1)[0]) == ""
+
+
+def test_auto_takes_the_mosaic_backward_where_the_mosaic_forward_runs_and_it_fits():
+    """"auto" (the default): the Mosaic backward behind a Mosaic forward when its own limits hold;
+    the Triton backward in the interpreter, behind a Triton forward and where it does not fit."""
+    backward = lambda q, k, interpret=False, config=pallas.Config(): pallas.concrete(  # noqa: E731
+        config, q, k, q, BLOCK, interpret
+    ).backward_kernel
+    q8, k8, _, _, _, _ = inputs(8, 2, seq=8, batch=1)
+    q4, k4, _, _, _, _ = inputs(4, 2, seq=8, batch=1)
+    assert pallas.Config().backward_kernel == "auto"
+    assert backward(q8, k8) == "mosaic"
+    assert backward(q8, k8, interpret=True) == "triton"
+    assert backward(q4, k4) == "triton"
+    assert backward(q8, k8, config=pallas.Config(forward_kernel="triton")) == "triton"
+    # Dh = 192: the Mosaic forward fits, the backward's rings of Q and dO do not
+    wide_q, wide_k = jnp.tile(q8, (1, 1, 1, 3)), jnp.tile(k8, (1, 1, 1, 3))
+    wide = pallas.concrete(pallas.Config(), wide_q, wide_k, wide_q, BLOCK, False)
+    assert (wide.forward_kernel, wide.backward_kernel) == ("mosaic", "triton")
+
+
+def test_sums_poison_a_window_with_more_segments_than_room():
+    """More segments than `segment_bound` made room for: NaN sums, not silently dropped ones."""
+    geo = pallas.chunks.Geometry(batch=1, seq=256, window=256, num_heads=8, num_kv_heads=1,
+                                 head_dim=64, index_dim=64, topk=2, block_size=BLOCK,
+                                 chunk_queries=8)  # fmt: skip
+    bound = mosaic_backward.segment_bound(geo, mosaic_forward.Tiling())
+    table = jnp.zeros((geo.entries, mosaic_forward.TABLE_COLUMNS), jnp.int32)
+    partials = jnp.ones((bound * mosaic_backward.KEY_PARTS * mosaic_backward.PART_KEYS, 64))
+    sums = [mosaic_backward.sum_partials(geo, table, jnp.array([n]), partials, bound, heads=1)
+            for n in (bound, bound + 1)]  # fmt: skip
+    assert np.isfinite(sums[0]).all() and np.isnan(sums[1]).all()
+
+
+@pytest.mark.parametrize("with_student", [False, True])
+def test_a_window_of_more_segments_than_room_takes_the_triton_backward(with_student):
+    """Rows of many short documents (3 tokens each: a list per (block, document)) need more
+    segments than `segment_bound` makes room for: that window's gradients come from the Triton
+    backward (under a `lax.cond`), equal to the reference's, not NaN."""
+    q, k, v, _, _, _ = inputs(4, 2, batch=1)
+    seq = q.shape[1]
+    segments = jnp.asarray(np.arange(seq) // 3 + 1, jnp.int32)[None]
+    positions = jnp.asarray(np.arange(seq) % 3, jnp.int32)[None]
+    index_q, index_k = student(2, seq, 1)
+    blocks = reference.top_blocks(index_q, index_k, segments, positions, block_size=BLOCK,
+                                  topk_blocks=2, local_blocks=1)  # fmt: skip
+    config = mosaic()
+    geo = pallas.chunks.Geometry(batch=1, seq=seq, window=seq, num_heads=8, num_kv_heads=2,
+                                 head_dim=q.shape[3], index_dim=index_q.shape[3], topk=2,
+                                 block_size=BLOCK, chunk_queries=8)  # fmt: skip
+    lists = block_lists.build(blocks, positions, jnp.zeros((), jnp.int32), seq=seq,
+                              block_size=BLOCK, chunk_queries=geo.chunk_queries,
+                              segment_chunks=config.mosaic_backward.segment_chunks)  # fmt: skip
+    assert int(lists.num_segments[0]) > mosaic_backward.segment_bound(geo, config.mosaic_backward)
+    args = (q, k, v, blocks, segments, positions)
+    index = (index_q, index_k) if with_student else None
+    got = gradients(config, *args, index)
+    assert len(got) == (5 if with_student else 3)
+    assert all(np.isfinite(as_f32(g)).all() for g in got)
+    assert_gradients_equal(got, reference_gradients(*args, index))
