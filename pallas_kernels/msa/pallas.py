@@ -10,10 +10,11 @@
   with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL.
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
   multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
-  32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel="mosaic"`
-  runs the backward on Mosaic GPU kernels (mosaic_backward.py) instead of the Triton one (opt-in:
-  timed on the H200 per layer, not yet in training); either backward takes either forward's
-  residuals (every forward leaves the same LSE and LSE_z). Queries go in windows of at most
+  32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel`
+  likewise: "auto" runs the backward on Mosaic GPU kernels (mosaic_backward.py) behind a Mosaic
+  forward where they fit (1.08× small-gpu's training step at 4K rows and at 32K, 1.07× at
+  128K), the Triton backward elsewhere; either backward takes either forward's residuals (every
+  forward leaves the same LSE and LSE_z). Queries go in windows of at most
   `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
 
