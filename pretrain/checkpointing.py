@@ -5,7 +5,9 @@ iterator's position (every process's: pretrain/distributed.py) and the run's pro
 seen, MSA phase, skipped steps, LR schedule horizon), the last two as JSON. Orbax writes each
 step to `<step>.orbax-checkpoint-tmp` and renames it when complete, so an interrupted save never
 looks like a checkpoint; leftovers of a killed process are removed when the directory is opened.
-Restores go onto the current mesh: the abstract target carries the shardings.
+Restores go onto the current mesh: the abstract target carries the shardings. Once a save is
+complete the memory it freed is handed back to the OS (pretrain/host_memory.py), so host memory
+does not grow save after save.
 
 Failures are reported as one-line errors naming the step: a failed save (`CheckpointSaveError`,
 raised by `save`, `poll` or `wait`, once its other writes are done and its temporary folder is
@@ -24,6 +26,7 @@ import shutil
 import jax
 import orbax.checkpoint as ocp
 
+from pretrain import host_memory
 from pretrain.config import CheckpointConfig
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -104,8 +107,11 @@ class Checkpoints:
         if self._saving is None:
             return None
         step, self._saving = self._saving, None
-        with self._failure_of(step):
-            self._manager.wait_until_finished()
+        try:
+            with self._failure_of(step):
+                self._manager.wait_until_finished()
+        finally:
+            host_memory.release_freed_memory()  # the save's host copies and write buffers
         return step
 
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict, dict]:
