@@ -85,7 +85,10 @@ def msa_functions(name: str, module, **kwargs) -> dict:
             out, kl = layer(q, k, v, index_q, index_k, segment_ids, positions)
             return out.astype(jnp.float32).sum() + kl.sum()
 
-        return jax.grad(loss, argnums=range(5))(q, k, v, index_q, index_k)
+        # the loss's value too, as a training step reports it: under jax.grad alone XLA drops the
+        # work that only the KL's value needs (the Mosaic forward's KL pass; runs before
+        # 2026-12-03 timed fwd+bwd without it)
+        return jax.value_and_grad(loss, argnums=range(5))(q, k, v, index_q, index_k)
 
     return {f"{name} select": select, f"{name} fwd": lambda **x: layer(**x),
             f"{name} fwd+bwd": train}  # fmt: skip
