@@ -5,13 +5,14 @@
 
 Each variant is the config with `section.key=value` overrides (space-separated inside one
 argument); `kernels.<field>=value` tokens pin a field of the MSA kernels' `pallas.Config` for that
-variant instead (e.g. `kernels.backward_kernel=triton`; the defaults otherwise). A variant's step is `pretrain.train_step.make_train_step` jitted, on synthetic packed
-rows (random tokens; documents of random lengths, so rows hold several), in the MSA sparse phase
-with the indexer loss, as `m3-train` runs after the warm-up. Reports the median step time over
-`--steps` steps after two warm-up steps, tokens/s, MFU (model FLOPs as m3-train counts them,
-pretrain/mfu.py, against 989 TFLOP/s and against the bf16 matmul rate measured in the same run),
-the device's peak memory and the ratio to the first variant measured in the same run; `--profile DIR` adds the first variant's device time by
-kernel (benchmarks/trace_summary.py). The last stdout line is JSON.
+variant instead (e.g. `kernels.backward_kernel=triton`; the defaults otherwise). A variant's step
+is `pretrain.train_step.make_train_step` jitted, on synthetic packed rows (random tokens;
+documents of random lengths, so rows hold several), in the MSA sparse phase with the indexer loss,
+as `m3-train` runs after the warm-up. Reports the median step time over `--steps` steps after two
+warm-up steps, tokens/s, MFU (model FLOPs as m3-train counts them, pretrain/mfu.py, against 989
+TFLOP/s and against the bf16 matmul rate measured in the same run), the device's peak memory and
+the ratio to the first variant measured in the same run; `--profile DIR` adds the first variant's
+device time by kernel (benchmarks/trace_summary.py). The last stdout line is JSON.
 """
 
 import argparse
@@ -71,8 +72,8 @@ KERNELS = "kernels."
 
 def pinned_kernels(overrides: list[str]) -> contextlib.AbstractContextManager:
     """Runs the MSA Pallas kernels under the `pallas.Config` that the `kernels.<field>=value`
-    overrides name (values as YAML would read them: strings stay strings)."""
-    fields = {f.name: f.type for f in dataclasses.fields(msa_pallas.Config)}
+    overrides name (a value of digits is an int, any other a string)."""
+    fields = {f.name for f in dataclasses.fields(msa_pallas.Config)}
     pinned = {}
     for override in overrides:
         name, _, value = override.removeprefix(KERNELS).partition("=")
