@@ -1,30 +1,15 @@
-"""This process's host memory: its resident size, and freed memory handed back to the OS.
+"""Freed host memory handed back to the OS.
 
 A checkpoint save allocates its host copies and tensorstore's write buffers in many threads;
 glibc keeps what they free in its per-thread arenas, so each save used to leave the process larger
 (CPU, 64 arrays of 4 MB, 0.27 GB in all: resident +0.36, +0.63, +1.01, +1.15, +1.46 GB after five
 saves; on the H200 a host of 125 GiB ran out of memory on the third save of a 47.6 GB state).
-`release_freed_memory` after each save keeps it flat (a trim took 4-18 ms on CPU). Linux only:
-elsewhere the reading is 0 and the release does nothing.
+`release_freed_memory` after each save keeps it flat (a trim took 4-18 ms on CPU). Where there
+is no glibc it does nothing.
 """
 
 import ctypes
 import ctypes.util
-import pathlib
-
-_STATUS = pathlib.Path("/proc/self/status")
-
-
-def resident_bytes() -> int:
-    """VmRSS: what the process holds in RAM now (pinned host memory included); 0 off Linux."""
-    try:
-        lines = _STATUS.read_text().splitlines()
-    except OSError:
-        return 0
-    for line in lines:
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    return 0
 
 
 def release_freed_memory() -> None:

@@ -14,8 +14,8 @@
   likewise: "auto" runs the backward on Mosaic GPU kernels (mosaic_backward.py) behind a Mosaic
   forward where they fit (1.08× small-gpu's training step at 4K rows and at 32K, 1.07× at
   128K), the Triton backward elsewhere; either backward takes either forward's residuals (every
-  forward leaves the same LSE and LSE_z). Queries go in windows of at most
-  `max_window` so that the per-entry shares stay within `partial_bytes` of memory.
+  forward leaves the same LSE and LSE_z). Queries go in windows of at most `max_window` so
+  that the per-entry shares stay within `partial_bytes` of memory.
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
 
 The other kernels are written for the Triton lowering of Pallas (a stepping stone towards Mosaic
