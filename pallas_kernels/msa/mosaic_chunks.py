@@ -12,6 +12,8 @@ Shapes: G = H // K query heads per kv head, Ge = max(G, 8), R rows of a chunk, b
 """
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ from pallas_kernels.mosaic_smem import swizzled
 TILE_ROWS = 8  # rows of a swizzled shared-memory tile: TMA row offsets are multiples of it
 TABLE_COLUMNS = 7  # of `mosaic_forward.segment_table`
 LOG2E, LN2 = math.log2(math.e), math.log(2)
+NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
 
 
 def entry_rows(group: int) -> int:
@@ -184,3 +187,115 @@ def matmul(shape, *products):
 def tiles(dtype, *shape):
     """Shared memory of `shape` in swizzled 8-row tiles (TMA and wgmma operands)."""
     return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-1], dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward kernels' items (mosaic_backward.py, mosaic_student.py): a segment's key half
+
+KEY_PARTS = 2  # items per segment: key halves, so that dK and dV fit one warpgroup's registers
+PART_KEYS = 64  # keys of an item: one wgmma M
+WGMMA = plgpu.Layout.WGMMA
+ROW_LAYOUT, COLUMN_LAYOUT = WGMMA.reduce(1), WGMMA.reduce(0)
+
+
+class Item(NamedTuple):
+    """An item opened by `open_item`: its segment's first sorted entry, entries and chunks, the
+    chunk ring's fetch, and the key half's slots and segment ids (one per tile row)."""
+
+    first: jax.Array
+    count: jax.Array
+    num_chunks: jax.Array
+    fetch: Callable
+    key_slots: jax.Array
+    key_segments: jax.Array
+
+
+def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices) -> Item:
+    """Start item (segment `index`, key half `part`): TMA-copy the half's `block_operands` (k,
+    v: [8, N, K, D] by kv head; kseg, ik: [8, N, ...]) and the first `stages` chunks of
+    `matrices` and row operands (data, values), wait for the former."""
+    first, count, tile_row, shift, key_slot, row_start, head = segment_row(ref, index)
+    queries = geo.chunk_queries
+    window = pl.ds(tile_row * TILE_ROWS + part * PART_KEYS, PART_KEYS)
+    for bar, name in enumerate(block_operands):
+        keys = (shift, window, head) if name in ("k", "v") else (shift, window)
+        plgpu.copy_gmem_to_smem(ref[name].at[keys], smem[name], smem["key_bars"].at[bar])
+
+    def fetch(chunk):
+        fetch_chunk(geo, ref, smem, chunk % tiling.stages, first + chunk * queries, matrices,
+                    False, ["data", "values"])  # fmt: skip
+
+    num_chunks = (count + queries - 1) // queries
+    for chunk in range(tiling.stages):
+        pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
+    for bar in range(len(block_operands)):
+        plgpu.barrier_wait(smem["key_bars"].at[bar])
+    slots = key_slot + part * PART_KEYS + plgpu.broadcasted_iota(
+        jnp.int32, (PART_KEYS,), 0, layout=ROW_LAYOUT
+    )
+    slots = jnp.where(slots >= row_start, slots, NOT_VISIBLE)
+    key_segments = plgpu.load(smem["kseg"], layout=ROW_LAYOUT, optimized=False)
+    return Item(first, count, num_chunks, fetch, slots, key_segments)
+
+
+def chunk_rows(geo, tiling, smem, item: Item, chunk):
+    """Wait for `chunk`'s ring slot -> (its [PART_KEYS, R] visibility, its per-row values): rows
+    past the block's list (the next block's entries) see no key."""
+    rows, slot = tiling.rows, chunk % tiling.stages
+    plgpu.barrier_wait(smem["q_bars"].at[slot])
+    plgpu.barrier_wait(smem["data_bars"].at[slot])
+    query_slot, segment, *values = (
+        plgpu.load(smem[name].at[slot, c], layout=COLUMN_LAYOUT, optimized=False)
+        for name in ("data", "values") for c in range(smem[name].shape[1])
+    )  # fmt: skip
+    column = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=COLUMN_LAYOUT)
+    valid = item.count - chunk * geo.chunk_queries
+    query_slot = jnp.where(column // entry_rows(geo.group) < valid, query_slot, -1)
+    seen = visible((query_slot, segment), item.key_slots, item.key_segments,
+                   (PART_KEYS, rows), key_axis=0)  # fmt: skip
+    return seen, values
+
+
+def release_chunk(tiling, item: Item, chunk) -> None:
+    """After every warp's wgmmas and loads have read `chunk`'s ring slot (a warpgroup barrier;
+    the proxy fence orders those reads before the TMA writes), fetch the chunk `stages` on."""
+    plgpu.commit_smem()
+    pl.when(chunk + tiling.stages < item.num_chunks)(lambda: item.fetch(chunk + tiling.stages))
+
+
+def store_sum(smem, ref, name: str, value, target) -> None:
+    """TMA-store an fp32 sum held in registers at GMEM rows `target` of output `name`, staged
+    in `sum_out` once the staging's last store has read it."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    smem["sum_out"][...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem["sum_out"], ref[name].at[target])
+
+
+def zeros(shape):
+    """A fresh fp32 accumulator value in the WGMMA layout."""
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
+
+
+def wgmmas(interpret: bool, initial, *products):
+    """Accumulators initialised from `initial` (fp32 in the WGMMA layout) plus, for each, the
+    sum of its products [(a, b), ...] on wgmma; one wait for all. On the GPU the accumulators
+    start from `initial` in place (`run_state`, no second copy in registers); Mosaic GPU's
+    interpreter has no `run_state`, so there fresh accumulators are added to `initial`."""
+    if not interpret:
+
+        def body(refs):
+            for ref, pairs in zip(refs, products, strict=True):
+                for a, b in pairs:
+                    plgpu.wgmma(ref, a, b)
+
+        return pl.run_state(body)(tuple(plgpu.ACC.init(x) for x in initial))
+
+    def scoped(*refs):
+        for ref, pairs in zip(refs, products, strict=True):
+            for a, b in pairs:
+                plgpu.wgmma(ref, a, b)
+        return tuple(ref[...] for ref in refs)
+
+    fresh = pl.run_scoped(scoped, *(plgpu.ACC(x.shape, jnp.float32) for x in initial))
+    return tuple(x + y for x, y in zip(initial, fresh))

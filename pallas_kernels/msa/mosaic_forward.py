@@ -78,6 +78,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.msa import block_lists, chunks
 from pallas_kernels.msa.mosaic_chunks import (
+    NOT_VISIBLE,
     TABLE_COLUMNS,
     TILE_ROWS,
     block_lse,
@@ -101,7 +102,6 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 BLOCK_SIZES = (128,)  # one wgmma N / K tile of keys per block
 HEAD_DIM_MULTIPLE = 64  # the swizzled tiles' minor size in 16-bit elements
 WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its registers
-NOT_VISIBLE = jnp.iinfo(jnp.int32).max  # key slot of keys outside the block's row
 SHARED_BYTES = 227 * 1024  # the H200's shared memory per program
 
 

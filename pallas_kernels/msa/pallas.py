@@ -410,13 +410,11 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         geo, tiling = backward_geo, config.mosaic_backward
         q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
         valid = blocks >= 0
-        student = None
-        if with_student:
-            student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
         operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
-                        d_kl=d_kl, segment_ids=segment_ids, offset=offset)  # fmt: skip
+                        d_kl=d_kl, index_q=index_q, segment_ids=segment_ids,
+                        offset=offset)  # fmt: skip
         dq_e, *new, diq_e, dik = mosaic_backward.window_gradients(
-            geo, tiling, lists, operands, keys, student, **kernels
+            geo, tiling, lists, operands, keys, index_keys, **kernels
         )
         sums = tuple(total + x for total, x in zip(sums, new + ([dik] if with_student else [])))
         dq = selection_sums(dq_e, lists, valid).reshape(q.shape).astype(q.dtype)

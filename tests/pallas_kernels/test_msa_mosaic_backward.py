@@ -31,6 +31,7 @@ from pallas_kernels.msa import (
     block_lists,
     mosaic_backward,
     mosaic_forward,
+    mosaic_student,
     pallas,
     reference,
 )
@@ -185,3 +186,26 @@ def test_a_window_of_more_segments_than_room_takes_the_triton_backward(with_stud
     assert len(got) == (5 if with_student else 3)
     assert all(np.isfinite(as_f32(g)).all() for g in got)
     assert_gradients_equal(got, reference_gradients(*args, index))
+
+
+def test_slot_layout_gives_each_segment_whole_slots_and_maps_entries_both_ways():
+    """Segments of 70, 3 and 64 entries (then junk table rows) take 2, 1 and 1 slots from slot 0;
+    each entry's slot row maps back to it, rows past a segment's entries are empty, and the
+    entries after the last segment (invalid selections) have no row."""
+    entries, bound = 150, 5
+    counts = [70, 3, 64]
+    starts = np.cumsum([0] + counts[:-1])
+    table = np.zeros((entries, mosaic_forward.TABLE_COLUMNS), np.int32)
+    table[:3, 0], table[:3, 1] = starts, counts
+    table[3:, :2] = 7  # junk past num_segments
+    slots = mosaic_student.slot_layout(jnp.asarray(table), jnp.array([3]), entries, bound)
+    size = mosaic_student.SLOT_ENTRIES
+    assert list(np.asarray(slots.base[:3])) == [0, 2, 3]
+    rows = np.asarray(slots.row_of_entry)
+    expected = np.concatenate([np.arange(70), 2 * size + np.arange(3), 3 * size + np.arange(64)])
+    np.testing.assert_array_equal(rows[:137], expected)
+    outside = mosaic_student.num_slots(entries, bound) * size
+    assert (rows[137:] == outside).all()
+    back = np.asarray(slots.entry_of_row)
+    np.testing.assert_array_equal(back[expected], np.arange(137))
+    assert (np.delete(back, expected) == entries).all()

@@ -1,0 +1,292 @@
+"""The indexer student's gradients on Hopper GPUs (Mosaic GPU): d(index_q) and d(index_k) of the
+KL between the main branch's head-averaged attention (the teacher) and the student's softmax.
+
+The teacher needs every head's probabilities P, so the kernel walks the gradients kernel's items
+(mosaic_backward.py: a segment's key half, chunks of R = chunk_queries·Ge head rows) and
+recomputes Sᵀ = K·Qᵀ and Pᵀ there. Everything after P is one value per selection entry, not per
+head row, so it runs on slots of SLOT_ENTRIES entries instead of chunks of head rows: each chunk
+adds its entries' teacher columns Pᵀ·A_c ([keys, SLOT_ENTRIES]: A_c averages an entry's G head
+rows into the entry's column of the slot; P in two 16-bit parts, ~16-bit exact) to the slot's
+accumulator, and once a slot is full the student's logits zᵀ = index_k·index_qᵀ, its
+probabilities exp(zᵀ·Di^-½ - LSE_z), d_zᵀ = (student - teacher)·d_kl·Di^-½, d(index_k) +=
+d_zᵀ·index_q and d(index_q)ᵀ = index_kᵀ·d_zᵀ are wgmmas of N = SLOT_ENTRIES columns. The former
+kernel ran those per head row (64-column tiles whose G columns per entry repeated each other):
+G× the student's wgmma and exp work, 8 stored rows per entry.
+
+Slots: a segment's entries in runs of SLOT_ENTRIES, numbered across segments by `slot_layout`
+(so each slot's operands are one aligned TMA copy and its d(index_q) one store that no other
+program touches). XLA lays out per slot row the entry's index_q row, its query's slot and segment
+id (the mask), LSE_z and d_kl; and maps the slots' d(index_q) back to sorted entries.
+
+Shapes: as mosaic_forward.py's; N = number of slots, Di index head dim.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.msa import block_lists, chunks, mosaic_forward
+from pallas_kernels.msa.mosaic_chunks import (
+    COLUMN_LAYOUT,
+    KEY_PARTS,
+    PART_KEYS,
+    broadcast,
+    chunk_copies,
+    chunk_rows,
+    copy_whole,
+    entry_rows,
+    matmul,
+    normalised,
+    open_item,
+    release_chunk,
+    store_sum,
+    tiles,
+    visible,
+    wgmmas,
+    zeros,
+)
+from pallas_kernels.msa.mosaic_forward import Tiling
+
+SLOT_ENTRIES = 64  # entries of a slot: the K of d(index_k) += d_zᵀ·index_q (a whole swizzle)
+PART_ENTRIES = 16  # entries of a slot's part: the N of the student's other wgmmas
+SLOT_PARTS = SLOT_ENTRIES // PART_ENTRIES
+
+
+class Slots(NamedTuple):
+    """Where each segment's entries sit in the slot layout."""
+
+    base: jax.Array  # [E] first slot of each segment (rows past num_segments: junk)
+    entry_of_row: jax.Array  # [N·SLOT_ENTRIES] sorted entry of each slot row, E where empty
+    row_of_entry: jax.Array  # [E] slot row of each sorted entry (past the rows for invalid ones)
+
+
+def num_slots(entries: int, bound: int) -> int:
+    """Slots room is made for: each of at most `bound` segments rounds its entries up to whole
+    slots, and the segments hold at most all E entries."""
+    return -(-entries // SLOT_ENTRIES) + bound
+
+
+def slot_layout(table, num_segments, entries: int, bound: int) -> Slots:
+    """`Slots` of a window from its `mosaic_forward.segment_table` (first entry, count)."""
+    segment = jnp.arange(entries)
+    live = segment < num_segments[0]
+    starts, counts = table[:, 0], jnp.where(live, table[:, 1], 0)
+    per_segment = -(-counts // SLOT_ENTRIES)
+    base = (jnp.cumsum(per_segment) - per_segment).astype(jnp.int32)
+    # each sorted entry's segment: a mark at every live segment's first entry, summed up
+    marks = jnp.zeros(entries, jnp.int32).at[jnp.where(live, starts, entries)].add(1, mode="drop")
+    owner = jnp.maximum(jnp.cumsum(marks) - 1, 0)
+    inside = (segment - starts[owner] < counts[owner]) & (marks.sum() > 0)
+    rows = num_slots(entries, bound) * SLOT_ENTRIES
+    row_of_entry = jnp.where(inside, base[owner] * SLOT_ENTRIES + segment - starts[owner], rows)
+    entry_of_row = jnp.full(rows, entries, jnp.int32).at[row_of_entry].set(segment, mode="drop")
+    return Slots(base, entry_of_row, row_of_entry.astype(jnp.int32))
+
+
+def slot_operands(geo: chunks.Geometry, lists: block_lists.BlockLists, slots: Slots, window: dict):
+    """Per slot row: index_q's row [N·SLOT_ENTRIES, Di] in q's dtype, (query's global slot,
+    segment id) [2, N·SLOT_ENTRIES] int32 (slot -1 on empty rows: they see no key) and (LSE_z,
+    d_kl) [2, N·SLOT_ENTRIES] fp32 (0 on empty rows)."""
+    w = window
+    entry = slots.entry_of_row
+    empty = entry >= geo.entries
+    flat = jnp.minimum(lists.entries[jnp.minimum(entry, geo.entries - 1)], geo.entries - 1)
+    pair = flat // geo.topk  # (b·W + i)·K + h
+    query = pair // geo.num_kv_heads
+    batch, index = query // geo.window, query % geo.window
+    slot = jnp.minimum(w["offset"] + index, geo.seq - 1)
+    segment = w["segment_ids"].astype(jnp.int32)[batch, slot]
+    data = jnp.stack([jnp.where(empty, -1, batch * geo.seq + slot), segment])
+    index_q = w["index_q"].reshape(-1, w["index_q"].shape[-1])[pair].astype(w["q"].dtype)
+    index_q = jnp.where(empty[:, None], 0, index_q)
+    values = jnp.stack([w[name].reshape(-1)[pair] for name in ("lse_z", "d_kl")])
+    values = jnp.where(empty | ~jnp.isfinite(values), 0.0, values).astype(jnp.float32)
+    return index_q, data, values
+
+
+def slot_averaging(geo: chunks.Geometry, tiling: Tiling, dtype) -> jax.Array:
+    """[PART_ENTRIES // chunk_queries, PART_ENTRIES, R]: A_cᵀ maps the head rows of a slot part's
+    chunk c to its entries' columns, 1/G from each of an entry's G real rows (exact in 16 bits),
+    so that Pᵀ·A_c adds the chunk's teacher columns (the group's mean probability)."""
+    per_entry, queries = entry_rows(geo.group), geo.chunk_queries
+    chunk = jnp.arange(PART_ENTRIES // queries)[:, None, None]
+    column = jnp.arange(PART_ENTRIES)[None, :, None]
+    row = jnp.arange(tiling.rows)[None, None, :]
+    mine = (column == chunk * queries + row // per_entry) & (row % per_entry < geo.group)
+    return jnp.where(mine, 1.0 / geo.group, 0.0).astype(dtype)
+
+
+def shared_bytes(
+    tiling: Tiling, head_dim: int, index_dim: int, group: int, itemsize: int = 2
+) -> int:
+    """Shared memory of one program of the kernel (`_scratch`): K's and index_k's key half, the
+    Q ring, Pᵀ in two parts, the averaging matrices, a slot's index_q rows and d_z, the fp32
+    d(index_q)ᵀ and sum staging, key segment ids and per-row words."""
+    rows, stages, keys, slot = tiling.rows, tiling.stages, PART_KEYS, SLOT_ENTRIES
+    averaging = PART_ENTRIES // tiling.chunk_queries(group) * PART_ENTRIES * rows
+    tiles_ = ((keys + stages * rows) * head_dim + keys * index_dim + 2 * keys * rows + averaging
+              + slot * index_dim + slot * keys)  # fmt: skip
+    words = keys + 3 * stages * rows + 4 * slot + index_dim * PART_ENTRIES + keys * index_dim
+    return tiles_ * itemsize + 4 * words
+
+
+def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,
+              operands: dict, window: dict, index_keys, bound: int, *,
+              interpret: bool = False):  # fmt: skip
+    """A window's student gradients: (d(index_q) shares [1, E, Di] fp32 at sorted positions,
+    d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for `mosaic_backward.sum_partials`).
+
+    operands: the gradients kernel's walk operands with k and kseg; window: as
+    `mosaic_backward.window_gradients`'; index_keys: `shifted_keys` of index_k in q's dtype.
+    """
+    slots = slot_layout(operands["table"], lists.num_segments, geo.entries, bound)
+    index_q, data, values = slot_operands(geo, lists, slots, window)
+    index_dim, count = index_q.shape[1], num_slots(geo.entries, bound)
+    operands = dict(operands, ik=index_keys, values=mosaic_forward.row_values(geo, lists,
+                    [window["lse"]]), base=slots.base, iq=index_q, slot_data=data,
+                    slot_values=values,
+                    average=slot_averaging(geo, tiling, operands["q"].dtype))  # fmt: skip
+    outputs = dict(
+        diq=jax.ShapeDtypeStruct((KEY_PARTS * count * SLOT_PARTS * index_dim, PART_ENTRIES),
+                                 jnp.float32),
+        dik=jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, index_dim), jnp.float32),
+    )
+    results = _launch(geo, tiling, operands, outputs, interpret)
+    diq = results["diq"].reshape(KEY_PARTS, count * SLOT_PARTS, index_dim, PART_ENTRIES)
+    diq = diq.sum(axis=0).transpose(0, 2, 1).reshape(-1, index_dim)
+    return diq.at[slots.row_of_entry].get(mode="fill", fill_value=0.0)[None], results["dik"]
+
+
+def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
+    """The student's persistent kernel over the (segment, key half) items (module docstring)."""
+    stages, dtype = tiling.stages, operands["q"].dtype
+    per_part = PART_ENTRIES // geo.chunk_queries  # chunks of a slot part
+    index_dim = operands["iq"].shape[1]
+    scale, index_scale = geo.head_dim**-0.5, index_dim**-0.5
+    count = outputs["diq"].shape[0] // (KEY_PARTS * index_dim * SLOT_PARTS)
+    tile = (PART_KEYS, PART_ENTRIES)
+    block_operands = ["k", "kseg", "ik"]
+    accumulate = functools.partial(wgmmas, interpret)
+
+    def kernel(*refs, **smem):
+        ref = dict(zip([*operands, *outputs], refs))
+        copy_whole(ref, smem, "average")
+
+        def item_body(index, part):
+            item = open_item(geo, tiling, ref, smem, index, part, block_operands, ["q"])
+            base, slot_count = ref["base"][index], (item.count + SLOT_ENTRIES - 1) // SLOT_ENTRIES
+
+            def fetch_slot(j):
+                rows = pl.ds((base + j) * SLOT_ENTRIES, SLOT_ENTRIES)
+                bar = smem["slot_bar"].at[0]
+                plgpu.copy_gmem_to_smem(ref["iq"].at[rows], smem["iq"], bar)
+                for name in ("slot_data", "slot_values"):
+                    plgpu.copy_gmem_to_smem(ref[name].at[:, rows], smem[name], bar)
+
+            fetch_slot(0)
+
+            def chunk_body(chunk, teacher):
+                """Add the chunk's teacher columns: Pᵀ (global LSE) times A_c."""
+                seen, (lse,) = chunk_rows(geo, tiling, smem, item, chunk)
+                q = smem["q"].at[chunk % stages]
+                logits = matmul(seen.shape, (smem["k"], q.transpose((1, 0))))
+                probs = normalised(scale, logits, lse, seen, axis=1)
+                high = probs.astype(dtype)  # the last chunk's wgmmas have read both parts
+                smem["p"][...] = high
+                smem["p_low"][...] = (probs - high.astype(jnp.float32)).astype(dtype)
+                plgpu.commit_smem()
+                average = smem["average"].at[chunk % per_part].transpose((1, 0))
+                (teacher,) = accumulate((teacher,), [(smem["p"], average),
+                                                     (smem["p_low"], average)])  # fmt: skip
+                release_chunk(tiling, item, chunk)
+                return teacher
+
+            def slot_part(j, n, carry):
+                """Part n of slot j: its teacher, student and d_zᵀ (kept for d(index_k)), its
+                d(index_q)ᵀ stored."""
+                first_chunk = (j * SLOT_PARTS + n) * per_part
+                last_chunk = jnp.minimum(first_chunk + per_part, item.num_chunks)
+                teacher = jax.lax.fori_loop(first_chunk, jnp.maximum(first_chunk, last_chunk),
+                                            chunk_body, zeros(tile))  # fmt: skip
+                entries = pl.ds(n * PART_ENTRIES, PART_ENTRIES)
+
+                @pl.when(n == 0)
+                def _():
+                    plgpu.barrier_wait(smem["slot_bar"].at[0])
+
+                query_slot, segment, lse_z, d_kl = (
+                    plgpu.load(smem[name].at[c, entries], layout=COLUMN_LAYOUT, optimized=False)
+                    for name in ("slot_data", "slot_values") for c in range(2)
+                )  # fmt: skip
+                seen = visible((query_slot, segment), item.key_slots, item.key_segments, tile,
+                               key_axis=0)  # fmt: skip
+                index_rows = smem["iq"].at[entries]
+                z = matmul(tile, (smem["ik"], index_rows.transpose((1, 0))))
+                student = normalised(index_scale, z, lse_z, seen, axis=1)
+                d_z = (student - teacher) * broadcast(d_kl * index_scale, tile, 1)
+                d_z_rows = smem["dz"].at[entries]  # [entries, keys]: the last slot's wgmmas read it
+                d_z_rows.transpose((1, 0))[...] = d_z.astype(dtype)
+                plgpu.commit_smem()
+                diq = matmul((index_dim, PART_ENTRIES), (smem["ik"].transpose((1, 0)),
+                                                         d_z_rows.transpose((1, 0))))  # fmt: skip
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging's last store
+                smem["diq_out"][...] = diq
+                plgpu.commit_smem()
+                target = ((part * count + base + j) * SLOT_PARTS + n) * index_dim
+                plgpu.copy_smem_to_gmem(smem["diq_out"], ref["diq"].at[pl.ds(target, index_dim)])
+                return carry
+
+            def slot_body(j, dik):
+                """Slot j: its parts, then d(index_k) += d_zᵀ·index_q over its entries."""
+                jax.lax.fori_loop(0, SLOT_PARTS, functools.partial(slot_part, j), 0)
+                (dik,) = accumulate((dik,), [(smem["dz"].transpose((1, 0)), smem["iq"])])
+                plgpu.commit_smem()  # the slot's operands are read: the next slot's may land
+                pl.when(j + 1 < slot_count)(lambda: fetch_slot(j + 1))
+                return dik
+
+            dik = jax.lax.fori_loop(0, slot_count, slot_body, zeros((PART_KEYS, index_dim)))
+            store_sum(smem, ref, "dik", dik, pl.ds((index * KEY_PARTS + part) * PART_KEYS,
+                                                  PART_KEYS))  # fmt: skip
+
+        program = jax.lax.axis_index("sm")
+        chunks.for_each_segment((None,) * 4 + (ref["count"],), item_body, KEY_PARTS,
+                                grid=(program, mosaic_forward.num_programs(tiling)))  # fmt: skip
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel.__name__ = "msa_mosaic_student_backward"  # profiles show the kernel by this name
+    run = plgpu.kernel(
+        kernel,
+        out_type=tuple(outputs.values()),
+        scratch_types=_scratch(geo, tiling, dtype, index_dim, per_part),
+        grid=(mosaic_forward.num_programs(tiling),),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return dict(zip(outputs, run(*operands.values())))
+
+
+def _scratch(geo, tiling, dtype, index_dim: int, per_part: int) -> dict:
+    """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the same)."""
+    rows, stages, slot = tiling.rows, tiling.stages, SLOT_ENTRIES
+    smem = functools.partial(tiles, dtype)
+    return dict(
+        k=smem(PART_KEYS, geo.head_dim), kseg=plgpu.SMEM((PART_KEYS,), jnp.int32),
+        ik=smem(PART_KEYS, index_dim), q=smem(stages, rows, geo.head_dim),
+        p=smem(PART_KEYS, rows), p_low=smem(PART_KEYS, rows),
+        average=smem(per_part, PART_ENTRIES, rows), iq=smem(slot, index_dim),
+        dz=smem(slot, PART_KEYS), data=plgpu.SMEM((stages, 2, rows), jnp.int32),
+        values=plgpu.SMEM((stages, 1, rows), jnp.float32),
+        slot_data=plgpu.SMEM((2, slot), jnp.int32), slot_values=plgpu.SMEM((2, slot), jnp.float32),
+        diq_out=tiles(jnp.float32, index_dim, PART_ENTRIES),
+        sum_out=tiles(jnp.float32, PART_KEYS, index_dim),
+        average_bar=plgpu.Barrier(num_barriers=1),
+        key_bars=plgpu.Barrier(num_barriers=3),
+        q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 1, 0), num_barriers=stages),
+        data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        slot_bar=plgpu.Barrier(num_arrivals=3, num_barriers=1),
+    )  # fmt: skip
