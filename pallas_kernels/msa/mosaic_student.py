@@ -4,17 +4,20 @@ KL between the main branch's head-averaged attention (the teacher) and the stude
 The teacher needs every head's probabilities P, so the kernel walks the gradients kernel's items
 (mosaic_backward.py: a segment's key half, chunks of R = chunk_queries·Ge head rows) and
 recomputes Sᵀ = K·Qᵀ and Pᵀ there. Everything after P is one value per selection entry, not per
-head row, so it runs on slots of SLOT_ENTRIES entries instead of chunks of head rows: each chunk
-adds its entries' teacher columns Pᵀ·A_c ([keys, SLOT_ENTRIES]: A_c averages an entry's G head
-rows into the entry's column of the slot; P in two 16-bit parts, ~16-bit exact) to the slot's
-accumulator, and once a slot is full the student's logits zᵀ = index_k·index_qᵀ, its
-probabilities exp(zᵀ·Di^-½ - LSE_z), d_zᵀ = (student - teacher)·d_kl·Di^-½, d(index_k) +=
-d_zᵀ·index_q and d(index_q)ᵀ = index_kᵀ·d_zᵀ are wgmmas of N = SLOT_ENTRIES columns. The former
-kernel ran those per head row (64-column tiles whose G columns per entry repeated each other):
-G× the student's wgmma and exp work, 8 stored rows per entry.
+head row, so it runs on a segment's entries in slots of SLOT_ENTRIES, taken in parts of
+PART_ENTRIES: each chunk adds its entries' teacher columns Pᵀ·A_c ([keys, PART_ENTRIES]: A_c
+averages an entry's G head rows into the entry's column of the part; P in two 16-bit parts,
+~16-bit exact) to the part's accumulator; then the student's logits zᵀ = index_k·index_qᵀ, its
+probabilities exp(zᵀ·Di^-½ - LSE_z), d_zᵀ = (student - teacher)·d_kl·Di^-½ and d(index_q)ᵀ =
+index_kᵀ·d_zᵀ are wgmmas of N = PART_ENTRIES columns, and once per slot d(index_k) += d_zᵀ·index_q
+(K = SLOT_ENTRIES: Mosaic GPU takes shared-memory operands of K ≥ 64 only, and a non-transposed B
+only with N ≥ 64, hence the transposed d_z and averaging tiles). The former kernel ran those per
+head row (64-column tiles whose G columns per entry repeated each other): G× the student's wgmma
+and exp work. On the H200 at M3's layout and S = 128K: 55 ms against that kernel's 109
+(benchmarks/RESULTS.md, 2026-12-03).
 
 Slots: a segment's entries in runs of SLOT_ENTRIES, numbered across segments by `slot_layout`
-(so each slot's operands are one aligned TMA copy and its d(index_q) one store that no other
+(so each slot's operands are one aligned TMA copy and its d(index_q) stores that no other
 program touches). XLA lays out per slot row the entry's index_q row, its query's slot and segment
 id (the mask), LSE_z and d_kl; and maps the slots' d(index_q) back to sorted entries.
 
