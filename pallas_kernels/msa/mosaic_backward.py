@@ -130,15 +130,14 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     w = window
     chunk_walk = mosaic_forward.walk(geo, tiling, lists, w["q"], w["segment_ids"], w["offset"])
     bound = segment_bound(geo, tiling)
-    operands = dict(**chunk_walk.operands(), k=keys[0], kseg=keys[2])
+    values = mosaic_forward.row_values(geo, lists, [w["lse"], w["delta"]])
+    operands = dict(**chunk_walk.operands(), k=keys[0], kseg=keys[2], values=values)
     operands["count"] = jnp.minimum(operands["count"], bound)
     per_entry = entry_rows(geo.group)
     rows = KEY_PARTS * geo.entries * per_entry
     sums = jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, geo.head_dim), jnp.float32)
     outputs = dict(dq=jax.ShapeDtypeStruct((rows, geo.head_dim), w["q"].dtype), dk=sums, dv=sums)
-    values = mosaic_forward.row_values(geo, lists, [w["lse"], w["delta"]])
-    gradients = dict(operands, do=mosaic_forward.sorted_rows(geo, lists, w["d_out"]), v=keys[1],
-                     values=values)  # fmt: skip
+    gradients = dict(operands, do=mosaic_forward.sorted_rows(geo, lists, w["d_out"]), v=keys[1])
     results = _launch(geo, tiling, gradients, outputs, interpret)
     summed = functools.partial(sum_partials, geo, chunk_walk.table, lists.num_segments,
                                bound=bound)  # fmt: skip

@@ -212,13 +212,17 @@ def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids,
 
     q: [B, W, H, Dh] the window's queries; segment_ids: [B, S]; offset: slot of query 0.
     """
+    data = jnp.pad(entry_data(geo, lists, segment_ids, offset), [(0, 0), (0, geo.chunk_queries)])
+    return sorted_rows(geo, lists, q), jnp.repeat(data, entry_rows(geo.group), axis=1)
+
+
+def entry_data(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_ids, offset):
+    """[2, E] int32 per sorted entry: its query's global slot b·S + slot and segment id (the
+    kernels' mask); arguments as `presort`'s."""
     query, _ = _entry_pairs(geo, lists)
     batch, index = query // geo.window, query % geo.window
-    per_entry, pad = entry_rows(geo.group), geo.chunk_queries
     slot = jnp.minimum(offset + index, geo.seq - 1)  # padded queries of the last window: invalid
-    data = jnp.stack([batch * geo.seq + slot, segment_ids.astype(jnp.int32)[batch, slot]])
-    data = jnp.repeat(jnp.pad(data, [(0, 0), (0, pad)]), per_entry, axis=1)
-    return sorted_rows(geo, lists, q), data
+    return jnp.stack([batch * geo.seq + slot, segment_ids.astype(jnp.int32)[batch, slot]])
 
 
 def sorted_rows(geo: chunks.Geometry, lists: block_lists.BlockLists, x) -> jax.Array:

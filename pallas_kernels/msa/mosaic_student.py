@@ -13,8 +13,8 @@ index_kᵀ·d_zᵀ are wgmmas of N = PART_ENTRIES columns, and once per slot d(i
 (K = SLOT_ENTRIES: Mosaic GPU takes shared-memory operands of K ≥ 64 only, and a non-transposed B
 only with N ≥ 64, hence the transposed d_z and averaging tiles). The former kernel ran those per
 head row (64-column tiles whose G columns per entry repeated each other): G× the student's wgmma
-and exp work. On the H200 at M3's layout and S = 128K: 55 ms against that kernel's 109
-(benchmarks/RESULTS.md, 2026-12-03).
+and exp work. On the H200 at M3's layout and S = 128K: 55 ms; that kernel took 109 in an
+earlier profile (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-03).
 
 Slots: a segment's entries in runs of SLOT_ENTRIES, numbered across segments by `slot_layout`
 (so each slot's operands are one aligned TMA copy and its d(index_q) stores that no other
@@ -95,15 +95,11 @@ def slot_operands(geo: chunks.Geometry, lists: block_lists.BlockLists, slots: Sl
     segment id) [2, N·SLOT_ENTRIES] int32 (slot -1 on empty rows: they see no key) and (LSE_z,
     d_kl) [2, N·SLOT_ENTRIES] fp32 (0 on empty rows)."""
     w = window
-    entry = slots.entry_of_row
-    empty = entry >= geo.entries
-    flat = jnp.minimum(lists.entries[jnp.minimum(entry, geo.entries - 1)], geo.entries - 1)
-    pair = flat // geo.topk  # (b·W + i)·K + h
-    query = pair // geo.num_kv_heads
-    batch, index = query // geo.window, query % geo.window
-    slot = jnp.minimum(w["offset"] + index, geo.seq - 1)
-    segment = w["segment_ids"].astype(jnp.int32)[batch, slot]
-    data = jnp.stack([jnp.where(empty, -1, batch * geo.seq + slot), segment])
+    entry = jnp.minimum(slots.entry_of_row, geo.entries - 1)
+    empty = slots.entry_of_row >= geo.entries
+    pair = lists.entries[entry] // geo.topk  # (b·W + i)·K + h
+    data = mosaic_forward.entry_data(geo, lists, w["segment_ids"], w["offset"])[:, entry]
+    data = data.at[0].set(jnp.where(empty, -1, data[0]))
     index_q = w["index_q"].reshape(-1, w["index_q"].shape[-1])[pair].astype(w["q"].dtype)
     index_q = jnp.where(empty[:, None], 0, index_q)
     values = jnp.stack([w[name].reshape(-1)[pair] for name in ("lse_z", "d_kl")])
@@ -133,7 +129,7 @@ def shared_bytes(
     averaging = PART_ENTRIES // tiling.chunk_queries(group) * PART_ENTRIES * rows
     tiles_ = ((keys + stages * rows) * head_dim + keys * index_dim + 2 * keys * rows + averaging
               + slot * index_dim + slot * keys)  # fmt: skip
-    words = keys + 3 * stages * rows + 4 * slot + index_dim * PART_ENTRIES + keys * index_dim
+    words = keys + 4 * stages * rows + 4 * slot + index_dim * PART_ENTRIES + keys * index_dim
     return tiles_ * itemsize + 4 * words
 
 
@@ -143,14 +139,14 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
     """A window's student gradients: (d(index_q) shares [1, E, Di] fp32 at sorted positions,
     d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for `mosaic_backward.sum_partials`).
 
-    operands: the gradients kernel's walk operands with k and kseg; window: as
-    `mosaic_backward.window_gradients`'; index_keys: `shifted_keys` of index_k in q's dtype.
+    operands: the gradients kernel's walk operands with k, kseg and its per-row values (LSE,
+    δ; the student reads LSE); window: as `mosaic_backward.window_gradients`'; index_keys:
+    `shifted_keys` of index_k in q's dtype.
     """
     slots = slot_layout(operands["table"], lists.num_segments, geo.entries, bound)
     index_q, data, values = slot_operands(geo, lists, slots, window)
     index_dim, count = index_q.shape[1], num_slots(geo.entries, bound)
-    operands = dict(operands, ik=index_keys, values=mosaic_forward.row_values(geo, lists,
-                    [window["lse"]]), base=slots.base, iq=index_q, slot_data=data,
+    operands = dict(operands, ik=index_keys, base=slots.base, iq=index_q, slot_data=data,
                     slot_values=values,
                     average=slot_averaging(geo, tiling, operands["q"].dtype))  # fmt: skip
     outputs = dict(
@@ -194,7 +190,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
             def chunk_body(chunk, teacher):
                 """Add the chunk's teacher columns: Pᵀ (global LSE) times A_c."""
-                seen, (lse,) = chunk_rows(geo, tiling, smem, item, chunk)
+                seen, (lse, _) = chunk_rows(geo, tiling, smem, item, chunk)
                 q = smem["q"].at[chunk % stages]
                 logits = matmul(seen.shape, (smem["k"], q.transpose((1, 0))))
                 probs = normalised(scale, logits, lse, seen, axis=1)
@@ -283,7 +279,7 @@ def _scratch(geo, tiling, dtype, index_dim: int, per_part: int) -> dict:
         p=smem(PART_KEYS, rows), p_low=smem(PART_KEYS, rows),
         average=smem(per_part, PART_ENTRIES, rows), iq=smem(slot, index_dim),
         dz=smem(slot, PART_KEYS), data=plgpu.SMEM((stages, 2, rows), jnp.int32),
-        values=plgpu.SMEM((stages, 1, rows), jnp.float32),
+        values=plgpu.SMEM((stages, 2, rows), jnp.float32),
         slot_data=plgpu.SMEM((2, slot), jnp.int32), slot_values=plgpu.SMEM((2, slot), jnp.float32),
         diq_out=tiles(jnp.float32, index_dim, PART_ENTRIES),
         sum_out=tiles(jnp.float32, PART_KEYS, index_dim),
