@@ -11,8 +11,8 @@ M3Model.head's logits) and `pretrain/chunked_loss.py` per chunk size. Columns: m
 --repeats after a warm-up, "vs plain" = plain ms / this row's ms, XLA's temporary bytes
 (`memory_analysis`), and the largest error of the nll, d(hidden) and d(lm_head) relative to the
 plain path's largest entry (d(lm_head): the plain path rounds it to bf16, the chunks do not).
-FLOPs: plain 3 · 2TDV (forward, two backward products), chunked 4 · 2TDV (the backward
-recomputes the logits). The last stdout line is JSON.
+FLOPs: 3 · 2TDV for both (logits, d(hidden), d(lm_head); the chunked path computes the gradient
+with the forward, from the same logits). The last stdout line is JSON.
 
 --collectives compiles the chunked loss + gradient with the batch over all devices (and, second,
 the lm_head's D over them too, FSDP) and counts the collectives XLA leaves inside loop bodies:
@@ -22,7 +22,6 @@ reduction out of the loop (WhileLoopAllReduceCodeMotion) every chunk pays one.
 
 import argparse
 import datetime
-import functools
 import json
 import re
 import time
@@ -32,25 +31,35 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pretrain.chunked_loss import chunked_token_losses
+from pretrain.chunked_loss import chunked_lm_loss
 from pretrain.loss import token_losses
 
 FULL = {"dim": 6144, "vocab": 200_064, "tokens": [4096, 16384], "chunks": [1024, 2048, 4096]}
 SMOKE = {"dim": 32, "vocab": 500, "tokens": [64, 100], "chunks": [16, 48]}
 
 
-def plain_losses(hidden, lm_head, targets):
+def plain_loss(hidden, lm_head, targets):
+    """nll + 1e-4 · z-loss of M3Model.head's [T, V] logits, and the nll per position."""
     logits = jnp.einsum(
         "bsd,dv->bsv", hidden, lm_head.astype(hidden.dtype), preferred_element_type=jnp.float32
     )
-    return token_losses(logits, targets)
+    nll, lse = token_losses(logits, targets)
+    return nll.mean() + 1e-4 * jnp.square(lse).mean(), nll
 
 
-def loss_and_grad(losses):
+def chunked_loss(chunk_tokens: int):
+    """`plain_loss` by pretrain/chunked_loss.py in chunks of `chunk_tokens`."""
+
     def loss(hidden, lm_head, targets):
-        nll, lse = losses(hidden, lm_head, targets)
-        return nll.mean() + 1e-4 * jnp.square(lse).mean(), nll
+        weights = jnp.full(targets.shape, 1 / targets.size)
+        lm = chunked_lm_loss(hidden, lm_head, targets, weights, 1e-4 * weights,
+                             chunk_tokens=chunk_tokens)  # fmt: skip
+        return lm.loss, lm.nll
 
+    return loss
+
+
+def loss_and_grad(loss):
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
 
@@ -89,13 +98,13 @@ def speed_table(shape: dict, repeats: int) -> list[dict]:
     rows = []
     for tokens in shape["tokens"]:
         args = inputs(tokens, shape["dim"], shape["vocab"])
-        plain_ms, plain_temp, reference = measure(loss_and_grad(plain_losses), args, repeats)
+        plain_ms, plain_temp, reference = measure(loss_and_grad(plain_loss), args, repeats)
         flops = 2 * tokens * shape["dim"] * shape["vocab"]
         variants = [("plain", plain_ms, plain_temp, [0.0, 0.0, 0.0], 3)]
         for chunk in shape["chunks"]:
-            fn = loss_and_grad(functools.partial(chunked_token_losses, chunk_tokens=chunk))
+            fn = loss_and_grad(chunked_loss(chunk))
             ms, temp, result = measure(fn, args, repeats)
-            variants.append((f"chunked {chunk}", ms, temp, relative_errors(result, reference), 4))
+            variants.append((f"chunked {chunk}", ms, temp, relative_errors(result, reference), 3))
             del result  # one lm_head gradient at a time (4.9 GB fp32 at M3's shape)
         for name, ms, temp, errors, products in variants:
             row = {"variant": name, "tokens": tokens, "ms": round(ms, 2)}
@@ -115,13 +124,13 @@ def collectives(shape: dict) -> list[dict]:
     hidden = jax.ShapeDtypeStruct((rows, tokens // rows, shape["dim"]), jnp.bfloat16)
     lm_head = jax.ShapeDtypeStruct((shape["dim"], shape["vocab"]), jnp.float32)
     targets = jax.ShapeDtypeStruct((rows, tokens // rows), jnp.int32)
-    chunked = functools.partial(chunked_token_losses, chunk_tokens=chunk)
+    chunked = chunked_loss(chunk)
     out = []
     for name, head_spec in (("data parallel", PartitionSpec()), ("fsdp", PartitionSpec("data"))):
         shardings = [NamedSharding(mesh, s) for s in (PartitionSpec("data"), head_spec)]
         shardings.append(NamedSharding(mesh, PartitionSpec("data")))
-        for variant, losses in (("plain", plain_losses), (f"chunked {chunk}", chunked)):
-            jitted = jax.jit(loss_and_grad(losses), in_shardings=shardings)
+        for variant, loss in (("plain", plain_loss), (f"chunked {chunk}", chunked)):
+            jitted = jax.jit(loss_and_grad(loss), in_shardings=shardings)
             hlo = jitted.lower(hidden, lm_head, targets).compile().as_text()
             out.append({"sharding": name, "variant": variant, **count_collectives(hlo)})
     return out

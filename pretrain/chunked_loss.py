@@ -1,37 +1,42 @@
 """Cross-entropy from the final-normed hidden states, computed in token chunks, so that neither the
 forward nor the backward pass holds the [tokens, vocab] fp32 logits.
 
-`chunked_token_losses(hidden, lm_head, targets)` returns what `pretrain/loss.py: token_losses`
-returns for `logits = M3Model.head(hidden)`: per-position cross-entropy and logsumexp, [B, S] fp32.
-It multiplies by the lm_head itself, as `M3Model.head` does (the weight cast to the hidden states'
-dtype, fp32 accumulation), one chunk of tokens at a time under `lax.map`. A `jax.custom_vjp`
-keeps only each position's logsumexp for the backward pass, which recomputes a chunk's logits,
-turns them into d(logits) = (g_nll + g_lse) · softmax - g_nll · onehot(target) and multiplies back:
-d(hidden) per chunk, d(lm_head) accumulated over chunks in fp32. The gradients of both outputs are
-exact (the z-loss differentiates the logsumexp).
+`chunked_lm_loss(hidden, lm_head, targets, nll_weights, lse_square_weights)` returns the LM term of
+the objective, loss = Σ nll_weights·nll + Σ lse_square_weights·logsumexp² (the weights of
+pretrain/loss.py: `lm_weights`: a masked mean and the z-loss), with the per-position
+cross-entropy and logsumexp ([B, S] fp32) as values for metrics: no gradient flows through those
+two. The logits are those of `M3Model.head(hidden)` (the weight cast to the hidden states' dtype,
+fp32 accumulation), one chunk of tokens at a time.
+
+The weights are known in the forward pass, so the loss's gradient is computed there, from the
+same logits (a `jax.custom_vjp`): per chunk d(logits) = (w_nll + 2·w_lse²·lse)·softmax -
+w_nll·onehot(target), d(hidden) = d(logits)·lm_headᵀ, d(lm_head) accumulated in fp32. The backward
+only scales them by the loss's cotangent. Three [N, D] × [D, V] products, where a backward from
+per-position cotangents recomputes each chunk's logits (a fourth: 35 of 747 ms of a bench-h200
+step on an H200, benchmarks/RESULTS.md). Without differentiation (evaluation) the forward
+computes the values alone.
 
 Memory: the temporaries are two [chunk_tokens, V] fp32 arrays (a chunk's logits and their
-softmax / gradient), whatever the number of tokens; the lm_head's fp32 gradient accumulates in the
-output's buffer. XLA's CPU buffer assignment at V = 200,064, D = 256 (tests/pretrain/
-test_chunked_loss.py): 0.42 GB with 256-token chunks for 4096 or 8192 tokens, 3.3 GB with 2048;
-the plain path holds two [N, V] fp32 arrays, 6.6 GB for 4096 tokens.
+softmax / gradient), whatever the number of tokens; between the passes the gradients wait as
+residuals, d(hidden) [B, S, D] in the hidden states' dtype and d(lm_head) [D, V] in its own.
+XLA's CPU buffer assignment at V = 200,064, D = 256 (tests/pretrain/test_chunked_loss.py): the
+plain path holds two [N, V] fp32 arrays, 6.6 GB for 4096 tokens; the chunks a fraction of one.
 
-bf16 numerics: bf16 products with fp32 accumulation forward and backward, d(logits) rounded to
-bf16 before its two products (jax's transpose of the plain path multiplies fp32 d(logits) by the
-bf16 operands: fp32 GEMMs, 192 of 1,177 ms of a bench-h200 step on an H200, benchmarks/
+bf16 numerics: bf16 products with fp32 accumulation, d(logits) rounded to bf16 before its two
+products (fp32 d(logits) made both products fp32 GEMMs: 192 of 1,177 ms of a bench-h200 step,
 RESULTS.md); d(lm_head) accumulates in fp32. In float32 the gradients are the plain path's.
 
 Data parallelism: each chunk's d(lm_head) is a partial sum over a device's tokens. On CPU (4 fake
-devices) XLA keeps its all-reduce inside the backward loop, one [D, V] reduction per chunk instead
-of one (`benchmarks/bench_chunked_loss.py --collectives` counts them); XLA's GPU pipeline runs
+devices) XLA keeps its all-reduce inside the loop, one [D, V] reduction per chunk instead of one
+(`benchmarks/bench_chunked_loss.py --collectives` counts them); XLA's GPU pipeline runs
 WhileLoopAllReduceCodeMotion, which exists to hoist such reductions (not yet measured on GPUs).
 
 Chunk j holds positions j, j + n, j + 2n, ... of every row (n chunks): each chunk keeps the batch
 and sequence axes, so their sharding over the data-parallel and seq mesh axes carries over to every
 chunk, where chunks of consecutive flattened tokens would put the scan on a sharded axis. A row
-length that is not a multiple of n is padded (padded positions get no gradient). `chunk_tokens`
-counts the tokens of the arrays given, all devices together: each device holds its share of a
-chunk (chunk_tokens / data-parallel devices rows).
+length that is not a multiple of n is padded (padded positions weigh 0). `chunk_tokens` counts
+the tokens of the arrays given, all devices together: each device holds its share of a chunk
+(chunk_tokens / data-parallel devices rows).
 
 It lives in pretrain/, not m3jax/: it is a training loss (targets, a custom gradient); the model's
 part is the normed hidden states and the lm_head (`Functional.apply_normed_with_mtp`).
@@ -40,42 +45,62 @@ Shapes: B batch, S sequence, D model width, V vocab, N tokens; `chunks` of `per_
 row.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from pretrain.loss import token_losses
 
-def chunked_token_losses(
+
+class LMLoss(NamedTuple):
+    """`chunked_lm_loss`'s results."""
+
+    loss: jax.Array  # scalar fp32: Σ nll_weights·nll + Σ lse_square_weights·logsumexp²
+    nll: jax.Array  # [B, S] fp32 per-position cross-entropy (a value: no gradient)
+    log_normalizer: jax.Array  # [B, S] fp32 per-position logsumexp (a value: no gradient)
+
+
+def chunked_lm_loss(
     hidden: jax.Array,
     lm_head: jax.Array,
     targets: jax.Array,
+    nll_weights: jax.Array,
+    lse_square_weights: jax.Array | None = None,
     *,
     chunk_tokens: int,
-) -> tuple[jax.Array, jax.Array]:
-    """Per-position (cross-entropy, logsumexp), each [B, S] fp32, of the logits hidden @ lm_head.
+) -> LMLoss:
+    """The weighted cross-entropy (+ z-loss) of the logits hidden @ lm_head, and its per-position
+    terms.
 
     hidden: [B, S, D] final-normed hidden states (the model's dtype); lm_head: [D, V] (any float
-    dtype; cast to hidden's, as M3Model.head does); targets: [B, S] int in [0, V).
-    chunk_tokens: the most tokens whose logits exist at once (at least one per row: B).
+    dtype; cast to hidden's, as M3Model.head does); targets: [B, S] int in [0, V);
+    nll_weights, lse_square_weights: [B, S] (None: no z-loss). chunk_tokens: the most tokens
+    whose logits exist at once (at least one per row: B).
     """
     if chunk_tokens < 1:
         raise ValueError(f"{chunk_tokens=} must be >= 1")
+    if lse_square_weights is None:
+        lse_square_weights = jnp.zeros(nll_weights.shape, jnp.float32)
     batch, seq, dim = hidden.shape
     num_chunks = -(-seq // max(1, chunk_tokens // batch))
-    per_row = -(
-        -seq // num_chunks
-    )  # the fewest positions per row that n chunks need: padding < num_chunks
+    per_row = -(-seq // num_chunks)  # the fewest positions per row that n chunks need
     pad = num_chunks * per_row - seq
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    # position c·num_chunks + j -> chunk j, row entry c: [B, S] -> [chunks, B, per_row]
-    hidden = hidden.reshape(batch, per_row, num_chunks, dim).transpose(2, 0, 1, 3)
-    targets = targets.reshape(batch, per_row, num_chunks).transpose(2, 0, 1)
-    nll, log_normalizer = _chunk_losses(hidden, lm_head, targets)
+
+    def chunked(x):  # [B, S, ...] -> [chunks, B, per_row, ...]: position c·n + j -> chunk j
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(batch, per_row, num_chunks, *x.shape[2:])
+        return jnp.moveaxis(x, 2, 0)
 
     def unchunked(x):  # [chunks, B, per_row] -> [B, S]
         return x.transpose(1, 2, 0).reshape(batch, per_row * num_chunks)[:, :seq]
 
-    return unchunked(nll), unchunked(log_normalizer)
+    weights = [chunked(w.astype(jnp.float32)) for w in (nll_weights, lse_square_weights)]
+    loss, nll, log_normalizer = _chunk_losses(
+        chunked(hidden), lm_head, chunked(targets), *weights
+    )
+    values = [jax.lax.stop_gradient(unchunked(x)) for x in (nll, log_normalizer)]
+    return LMLoss(loss, *values)
 
 
 def _logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
@@ -83,51 +108,59 @@ def _logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.einsum("bcd,dv->bcv", hidden, weight, preferred_element_type=jnp.float32)
 
 
+def _weighted(nll, log_normalizer, nll_weights, lse_square_weights) -> jax.Array:
+    return (nll_weights * nll).sum() + (lse_square_weights * jnp.square(log_normalizer)).sum()
+
+
 @jax.custom_vjp
-def _chunk_losses(hidden, lm_head, targets):
-    """hidden [chunks, B, per_row, D], lm_head [D, V], targets [chunks, B, per_row] -> (nll,
-    logsumexp) [chunks, B, per_row]."""
+def _chunk_losses(hidden, lm_head, targets, nll_weights, lse_square_weights):
+    """hidden [chunks, B, per_row, D], lm_head [D, V], targets and weights [chunks, B, per_row]
+    -> (loss, nll, logsumexp [chunks, B, per_row]); the values alone."""
     weight = lm_head.astype(hidden.dtype)
-
-    def one_chunk(chunk):
-        h, t = chunk
-        logits = _logits(h, weight)
-        log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-        target_logits = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-        return log_normalizer - target_logits, log_normalizer
-
-    return jax.lax.map(one_chunk, (hidden, targets))
+    nll, log_normalizer = jax.lax.map(lambda c: token_losses(_logits(c[0], weight), c[1]),
+                                      (hidden, targets))  # fmt: skip
+    return _weighted(nll, log_normalizer, nll_weights, lse_square_weights), nll, log_normalizer
 
 
-def _chunk_losses_forward(hidden, lm_head, targets):
-    nll, log_normalizer = _chunk_losses(hidden, lm_head, targets)
-    return (nll, log_normalizer), (hidden, lm_head, targets, log_normalizer)
-
-
-def _chunk_losses_backward(residuals, cotangents):
-    hidden, lm_head, targets, log_normalizer = residuals
-    d_nll, d_log_normalizer = cotangents
+def _chunk_losses_forward(hidden, lm_head, targets, nll_weights, lse_square_weights):
+    """The values and, from the same logits, the loss's gradients w.r.t. hidden and lm_head."""
     weight = lm_head.astype(hidden.dtype)
     vocab = lm_head.shape[1]
 
     def one_chunk(d_weight, chunk):
-        h, t, lse, g_nll, g_lse = chunk
-        softmax = jnp.exp(_logits(h, weight) - lse[..., None])  # [B, per_row, V]
+        h, t, w_nll, w_lse_square = chunk
+        logits = _logits(h, weight)  # [B, per_row, V]
+        nll, log_normalizer = token_losses(logits, t)
+        softmax = jnp.exp(logits - log_normalizer[..., None])
         is_target = t[..., None] == jnp.arange(vocab)
-        # nll = lse - logit[t]: d/dlogits = softmax - onehot; lse: softmax
-        d_logits = (g_nll + g_lse)[..., None] * softmax - jnp.where(is_target, g_nll[..., None], 0)
+        # nll = lse - logit[t]: d/dlogits = softmax - onehot; lse²: 2·lse·softmax
+        scale = w_nll + 2 * w_lse_square * log_normalizer
+        d_logits = scale[..., None] * softmax - jnp.where(is_target, w_nll[..., None], 0)
         # d_logits in the operands' dtype: bf16 products with fp32 accumulation on tensor cores
-        # (fp32 d_logits made both products fp32 GEMMs: 16 % of a bench-h200 step on an H200)
         d_logits = d_logits.astype(h.dtype)
         d_h = _dot(d_logits, weight, ((2,), (1,))).astype(h.dtype)  # [B, per_row, D]
         d_weight = d_weight + _dot(h, d_logits, ((0, 1), (0, 1)))  # [D, V]
-        return d_weight, d_h
+        return d_weight, (nll, log_normalizer, d_h)
 
     d_weight = jnp.zeros(lm_head.shape, jnp.float32)
-    d_weight, d_hidden = jax.lax.scan(
-        one_chunk, d_weight, (hidden, targets, log_normalizer, d_nll, d_log_normalizer)
+    d_weight, (nll, log_normalizer, d_hidden) = jax.lax.scan(
+        one_chunk, d_weight, (hidden, targets, nll_weights, lse_square_weights)
     )
-    return d_hidden, d_weight.astype(lm_head.dtype), None
+    loss = _weighted(nll, log_normalizer, nll_weights, lse_square_weights)
+    residuals = (d_hidden, d_weight.astype(lm_head.dtype), nll, log_normalizer)
+    return (loss, nll, log_normalizer), residuals
+
+
+def _chunk_losses_backward(residuals, cotangents):
+    """The forward's gradients times the loss's cotangent. The per-position values' cotangents
+    are zero: `chunked_lm_loss` stops their gradient."""
+    d_hidden, d_weight, nll, log_normalizer = residuals
+    g = cotangents[0]
+
+    def scaled(x):
+        return (g * x).astype(x.dtype)
+
+    return scaled(d_hidden), scaled(d_weight), None, g * nll, g * jnp.square(log_normalizer)
 
 
 _chunk_losses.defvjp(_chunk_losses_forward, _chunk_losses_backward)

@@ -13,15 +13,27 @@ from m3jax.mtp import depth_segment_ids, shifted
 from pretrain.config import RunConfig
 
 
-def total_loss(
-    run: RunConfig, *, nll, z_loss, mtp_nll=0.0, balance=0.0, indexer_kl=0.0
-) -> jax.Array:
-    """LM cross-entropy + z_loss_weight · z-loss + mtp.loss_weight · mean MTP LM loss
-    + moe.balance_loss_weight · balance loss + msa.kl_weight · Σ indexer KL over MSA layers (whose
-    gradient reaches only the indexers). A term a model lacks is 0.0."""
+def total_loss(run: RunConfig, *, lm, mtp_nll=0.0, balance=0.0, indexer_kl=0.0) -> jax.Array:
+    """lm (LM cross-entropy + z_loss_weight · z-loss, as `lm_weights` weighs them) +
+    mtp.loss_weight · mean MTP LM loss + moe.balance_loss_weight · balance loss + msa.kl_weight ·
+    Σ indexer KL over MSA layers (whose gradient reaches only the indexers). A term a model lacks
+    is 0.0."""
     model = run.model
-    loss = nll + run.optimizer.z_loss_weight * z_loss + model.mtp.loss_weight * mtp_nll
+    loss = lm + model.mtp.loss_weight * mtp_nll
     return loss + model.moe.balance_loss_weight * balance + model.msa.kl_weight * indexer_kl
+
+
+def lm_weights(run: RunConfig, mask: jax.Array, total: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-position weights of the cross-entropy and of the squared logsumexp in `total_loss`'s
+    lm term (pretrain/chunked_loss.py): a masked mean over the batch's `total` targets, and
+    z_loss_weight times it."""
+    weights = mean_weights(mask, total)
+    return weights, run.optimizer.z_loss_weight * weights
+
+
+def mean_weights(mask: jax.Array, total: jax.Array) -> jax.Array:
+    """w with Σ w·x = masked_mean(x, mask, total=total): mask / total (0 where total is 0)."""
+    return jnp.where(total > 0, mask.astype(jnp.float32) / jnp.maximum(total, 1e-9), 0.0)
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -29,10 +29,17 @@ from m3jax.model import Functional
 from m3jax.mtp import MTPOutput
 from m3jax.vision_inputs import from_packed_rows
 from pretrain.accumulation import accumulated
-from pretrain.chunked_loss import chunked_token_losses
+from pretrain.chunked_loss import chunked_lm_loss
 from pretrain.config import RunConfig
 from pretrain.faults import keep_finite
-from pretrain.loss import loss_totals, masked_mean, mtp_targets, total_loss
+from pretrain.loss import (
+    loss_totals,
+    lm_weights,
+    masked_mean,
+    mean_weights,
+    mtp_targets,
+    total_loss,
+)
 from pretrain.optimizer import applied_updates
 from pretrain.step_metrics import (
     layer_labels,
@@ -75,20 +82,21 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
             params, buffers, batch.tokens, batch.positions, batch.segment_ids, vision, mode=mode
         )
 
-        def lm_losses(hidden, targets):  # per position (nll, logsumexp) [B, S] of the lm_head
-            return chunked_token_losses(
-                hidden, params["lm_head"], targets, chunk_tokens=run.train.loss_chunk_tokens
-            )
+        def lm_loss(hidden, targets, *weights):  # the weighted LM loss of the lm_head's logits
+            return chunked_lm_loss(hidden, params["lm_head"], targets, *weights,
+                                   chunk_tokens=run.train.loss_chunk_tokens)  # fmt: skip
 
-        token_nll, log_normalizer = lm_losses(normed, batch.targets)
-        nll = masked_mean(token_nll, batch.loss_mask, total=totals["loss_mask"])
-        z_loss = masked_mean(jnp.square(log_normalizer), batch.loss_mask, total=totals["loss_mask"])
+        weights = lm_weights(run, batch.loss_mask, totals["loss_mask"])
+        lm = lm_loss(normed, batch.targets, *weights)
+        nll = masked_mean(lm.nll, batch.loss_mask, total=totals["loss_mask"])
+        z_loss = masked_mean(jnp.square(lm.log_normalizer), batch.loss_mask,
+                             total=totals["loss_mask"])  # fmt: skip
         metrics = {"nll": nll, "z_loss": z_loss}
         if batch.modality is not None:
-            metrics.update(modality_metrics(token_nll, batch, totals))
+            metrics.update(modality_metrics(lm.nll, batch, totals))
         mtp_nll = 0.0
         if mtp:
-            mtp_nll, mtp_metrics = _mtp_loss(mtp, batch, totals, lm_losses)
+            mtp_nll, mtp_metrics = _mtp_loss(mtp, batch, totals, lm_loss)
             metrics.update(mtp_metrics)
         # MTP layers as one-layer stacks, after the trunk's (their tokens: the module's pieces)
         stacks = layer_stats(stats, mtp)
@@ -99,7 +107,7 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
         indexer_kl, msa = msa_metrics(stacks, token_shares, labels["msa"])
         metrics.update(msa)
         loss = total_loss(
-            run, nll=nll, z_loss=z_loss, mtp_nll=mtp_nll,
+            run, lm=lm.loss, mtp_nll=mtp_nll,
             balance=metrics.get("balance_loss", 0.0), indexer_kl=indexer_kl,
         )  # fmt: skip
         return loss, (metrics, router_loads(stacks))
@@ -147,13 +155,13 @@ def make_train_step(
 
 
 def _mtp_loss(
-    outputs: list[MTPOutput], batch: Batch, totals: dict, lm_losses
+    outputs: list[MTPOutput], batch: Batch, totals: dict, lm_loss
 ) -> tuple[jax.Array, dict]:
     """Mean over MTP modules of their LM loss on targets depth + 2 ahead; per module too."""
     losses = []
     for depth, output in enumerate(outputs):
         targets, weight = mtp_targets(batch, depth)
-        token_nll, _ = lm_losses(output.normed, targets)
-        losses.append(masked_mean(token_nll, weight, total=totals[f"mtp{depth}"]))
+        weights = mean_weights(weight, totals[f"mtp{depth}"])
+        losses.append(lm_loss(output.normed, targets, weights).loss)
     mean = sum(losses) / len(losses)
     return mean, {"mtp_nll": mean, **{f"mtp_nll{d}": x for d, x in enumerate(losses)}}

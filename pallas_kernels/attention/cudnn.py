@@ -60,7 +60,9 @@ def dense_attention(
     if max_segments == seq:  # every row fits
         return packed(q, k, v, segment_ids)
     too_many = segment_runs(segment_ids, 1)[2].max() > max_segments
-    rows = functools.partial(fallback(q.shape[0], seq), causal=causal)
+    # rematerialised: under AD both branches return the same residuals, so the packed branch
+    # would write zeros for the fallback's [B, 1, S, S] mask in every step (2 GB, ~1 ms at 32K)
+    rows = jax.checkpoint(functools.partial(fallback(q.shape[0], seq), causal=causal))
     return jax.lax.cond(too_many, rows, packed, q, k, v, segment_ids)
 
 

@@ -34,6 +34,7 @@ class BlockLists(NamedTuple):
     sorted_position: jax.Array  # [E] inverse of `entries`: where selection e went in the sort
     segment_starts: jax.Array  # [E] sorted position of each segment's first entry
     segment_sizes: jax.Array  # [E] chunks in each segment (1..segment_chunks)
+    segment_entries: jax.Array  # [E] entries in each segment (1..segment_chunks·chunk_queries)
     num_segments: jax.Array  # [1]
 
 
@@ -80,13 +81,18 @@ def build(
     starts_segment = (rank % (chunk_queries * segment_chunks) == 0) & (keys != INVALID)
     segment_id = jnp.where(starts_segment, jnp.cumsum(starts_segment) - 1, total)
     remaining = group_first + group_size - index
-    chunks = jnp.minimum(-(-remaining // chunk_queries), segment_chunks).astype(jnp.int32)
+    entries = jnp.minimum(remaining, chunk_queries * segment_chunks).astype(jnp.int32)
+
+    def per_segment(x):  # [E] per entry -> [E] at each segment's index (the rest 0)
+        return jnp.zeros(total, jnp.int32).at[segment_id].set(x, mode="drop")
+
     return BlockLists(
         keys=keys,
         entries=order,
         sorted_position=jnp.zeros(total, jnp.int32).at[order].set(index),
-        segment_starts=jnp.zeros(total, jnp.int32).at[segment_id].set(index, mode="drop"),
-        segment_sizes=jnp.zeros(total, jnp.int32).at[segment_id].set(chunks, mode="drop"),
+        segment_starts=per_segment(index),
+        segment_sizes=per_segment(-(-entries // chunk_queries)),
+        segment_entries=per_segment(entries),
         num_segments=starts_segment.sum(dtype=jnp.int32)[None],
     )
 

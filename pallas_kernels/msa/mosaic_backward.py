@@ -128,7 +128,7 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     segment ids; index_keys: `shifted_keys` of index_k in q's dtype (with a student) or None.
     """
     w = window
-    chunk_walk = mosaic_forward.walk(geo, tiling, lists, w["q"], w["segment_ids"], w["offset"])
+    chunk_walk = mosaic_forward.walk(geo, lists, w["q"], w["segment_ids"], w["offset"])
     bound = segment_bound(geo, tiling)
     values = mosaic_forward.row_values(geo, lists, [w["lse"], w["delta"]])
     operands = dict(**chunk_walk.operands(), k=keys[0], kseg=keys[2], values=values)

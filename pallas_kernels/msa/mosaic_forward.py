@@ -177,10 +177,9 @@ def num_programs(tiling: Tiling) -> int:
 # XLA side: operands in sorted entry order, and the combine over selections
 
 
-def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_chunks: int):
+def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists):
     """[E, TABLE_COLUMNS] int32 per segment (rows past num_segments are junk, never read): sorted
-    position of
-    its first entry, its number of entries, the padded K/V row of the block window's first key as
+    position of its first entry, its number of entries, the padded K/V row of the block window's first key as
     tile·8 + shift (its aligned row tile·8 in the shifted copy `shift`), that key's global slot
     b·S + slot, b·S, and the kv head."""
     seq, size = geo.seq, geo.block_size
@@ -189,11 +188,9 @@ def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_c
     batch, head = pair // geo.num_kv_heads, pair % geo.num_kv_heads
     # a block entirely before its row (document started earlier) still reads in-bounds rows
     window = jnp.maximum(offset - seq, -size)
-    end = jnp.searchsorted(lists.keys, key, side="right").astype(jnp.int32)
-    count = jnp.minimum(end - lists.segment_starts, segment_chunks * geo.chunk_queries)
     row_start = batch * seq
     kv_row = size + row_start + window
-    columns = (lists.segment_starts, count, kv_row // TILE_ROWS, kv_row % TILE_ROWS,
+    columns = (lists.segment_starts, lists.segment_entries, kv_row // TILE_ROWS, kv_row % TILE_ROWS,
                row_start + window, row_start, head)  # fmt: skip
     assert len(columns) == TABLE_COLUMNS
     return jnp.stack(columns, axis=1).astype(jnp.int32)
@@ -304,8 +301,11 @@ def combine(geo: chunks.Geometry, lists, valid, o, lse, lse_z=None):
     o_j = block_lists.by_selection(o.reshape(-1, per_entry, geo.head_dim)[:, :g], lists, shape)
     # unused slots were never written; an elementwise product and a sum over j fuse with the
     # gather into one pass (as an einsum, XLA transposed o_j for a dot first: 11 of the 31 ms
-    # of the attention forward at S = 32K on the H200)
-    shares = jnp.where(ok[..., None], weights[..., None] * o_j.astype(jnp.float32), 0.0)
+    # of the attention forward at S = 32K on the H200). The zeros for unused slots come from the
+    # (finite) weights: a constant fill of this shape, XLA hoisted out of the training step's
+    # layer loop as a [B, W, K, k, G, Dh] fp32 array read back in every layer (4.3 GB at 32K).
+    weights = weights[..., None]
+    shares = jnp.where(ok[..., None], weights * o_j.astype(jnp.float32), 0.0 * weights)
     out = shares.sum(axis=3).reshape(geo.batch, geo.window, geo.num_heads, geo.head_dim)
     if lse_z is None:
         return out, total, None
@@ -331,10 +331,9 @@ class Walk(NamedTuple):
                     q=self.q_rows, data=self.row_data)  # fmt: skip
 
 
-def walk(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists, q, segment_ids,
-         offset) -> Walk:  # fmt: skip
+def walk(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids, offset) -> Walk:
     """A window's `Walk` (arguments as `presort`'s)."""
-    table = segment_table(geo, lists, tiling.segment_chunks)
+    table = segment_table(geo, lists)
     return Walk(table, lists.num_segments, lists.entries,
                 *presort(geo, lists, q, segment_ids, offset))  # fmt: skip
 

@@ -291,7 +291,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         geo, tiling = forward_geo, config.mosaic
         q, index_q, blocks, positions, offset = window
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
-        chunk_walk = mosaic_forward.walk(geo, tiling, lists, q, segment_ids, offset)
+        chunk_walk = mosaic_forward.walk(geo, lists, q, segment_ids, offset)
         student = None
         if with_student:
             student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)

@@ -59,15 +59,19 @@ def test_block_lists_cover_every_selection_once_in_block_then_query_order(
     num = int(lists.num_segments[0])
     starts = np.asarray(lists.segment_starts)[:num]
     sizes = np.asarray(lists.segment_sizes)[:num]
+    entries = np.asarray(lists.segment_entries)[:num]
     assert (sizes >= 1).all() and (sizes <= segment_chunks).all()
     covered = np.zeros(flat.size, int)
-    for start, size in zip(starts, sizes):
+    for start, size, held in zip(starts, sizes, entries):
+        in_segment = 0
         for chunk in range(size):
             first = start + chunk * chunk_queries
             rows = np.arange(first, min(first + chunk_queries, flat.size))
             rows = rows[keys[rows] == keys[start]]
             assert rows.size > 0  # no empty chunk
             covered[rows] += 1
+            in_segment += rows.size
+        assert held == in_segment  # the entries its chunks hold
     assert (covered[:count] == 1).all() and (covered[count:] == 0).all()
 
 

@@ -1,13 +1,11 @@
-"""The chunked cross-entropy against plain logits: values, gradients of both outputs, memory."""
-
-import functools
+"""The chunked cross-entropy against plain logits: values, gradients of the weighted loss, memory."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pretrain.chunked_loss import chunked_token_losses
+from pretrain.chunked_loss import chunked_lm_loss
 from pretrain.loss import token_losses
 
 M3_VOCAB = 200_064
@@ -26,20 +24,35 @@ def random_inputs(batch, seq, dim, vocab, dtype=jnp.float32):
     hidden = jax.random.normal(keys[0], (batch, seq, dim)).astype(dtype)
     lm_head = jax.random.normal(keys[1], (dim, vocab)) * 0.5
     targets = jax.random.randint(keys[2], (batch, seq), 0, vocab)
-    cotangents = [jax.random.normal(k, (batch, seq)) for k in keys[3:]]  # for nll, logsumexp
-    return hidden, lm_head, targets, cotangents
+    # per-position weights of nll and logsumexp², some zero (masked) and the z-loss's small
+    mask = jax.random.bernoulli(keys[3], 0.8, (batch, seq))
+    nll_weights = mask * jax.random.uniform(keys[4], (batch, seq))
+    return hidden, lm_head, targets, (nll_weights, 0.1 * nll_weights)
 
 
-def values_and_gradients(losses, hidden, lm_head, targets, cotangents):
-    """(nll, logsumexp) and the gradients w.r.t. (hidden, lm_head) of Σ g_nll·nll + g_lse·lse."""
+def plain_lm_loss(hidden, lm_head, targets, nll_weights, lse_square_weights):
+    """The weighted loss of `plain_token_losses`, and its per-position terms."""
+    nll, lse = plain_token_losses(hidden, lm_head, targets)
+    return (nll_weights * nll).sum() + (lse_square_weights * lse**2).sum(), nll, lse
+
+
+def chunked(chunk_tokens):
+    def loss(*args):
+        return tuple(chunked_lm_loss(*args, chunk_tokens=chunk_tokens))
+
+    return loss
+
+
+def values_and_gradients(losses, hidden, lm_head, targets, weights):
+    """(loss, nll, logsumexp) and the loss's gradients w.r.t. (hidden, lm_head)."""
 
     def weighted(hidden, lm_head):
-        nll, lse = losses(hidden, lm_head, targets)
-        return (nll * cotangents[0] + lse * cotangents[1]).sum(), (nll, lse)
+        loss, nll, lse = losses(hidden, lm_head, targets, *weights)
+        return loss, (loss, nll, lse)
 
     value_and_grad = jax.jit(jax.value_and_grad(weighted, argnums=(0, 1), has_aux=True))
     (_, outputs), grads = value_and_grad(hidden, lm_head)
-    return outputs, grads
+    return list(outputs), list(grads)
 
 
 def assert_close(actual, expected, rtol):
@@ -52,25 +65,48 @@ def assert_close(actual, expected, rtol):
 # chunk 10 over 3 rows of 37: 3 positions a row, 13 chunks, 2 padded positions; 64: 21 a row, 2
 # chunks, 5 padded; 200: one chunk, no padding
 @pytest.mark.parametrize("chunk_tokens", [10, 64, 200])
-def test_chunked_token_losses_match_token_losses_values_and_gradients(chunk_tokens):
-    hidden, lm_head, targets, cotangents = random_inputs(batch=3, seq=37, dim=16, vocab=50)
-    chunked = functools.partial(chunked_token_losses, chunk_tokens=chunk_tokens)
-    outputs, grads = values_and_gradients(chunked, hidden, lm_head, targets, cotangents)
+def test_chunked_lm_loss_matches_plain_logits_in_values_and_gradients(chunk_tokens):
+    hidden, lm_head, targets, weights = random_inputs(batch=3, seq=37, dim=16, vocab=50)
+    outputs, grads = values_and_gradients(
+        chunked(chunk_tokens), hidden, lm_head, targets, weights
+    )
     expected_outputs, expected_grads = values_and_gradients(
-        plain_token_losses, hidden, lm_head, targets, cotangents
+        plain_lm_loss, hidden, lm_head, targets, weights
     )
     for actual, expected in zip(outputs + grads, expected_outputs + expected_grads, strict=True):
         assert_close(actual, expected, rtol=1e-5)
 
 
-def test_chunked_token_losses_in_bfloat16_match_the_plain_bfloat16_path():
+def test_the_gradient_scales_with_the_loss_cotangent_and_reaches_the_weights():
+    """The forward computes the gradient for a cotangent of 1; the backward scales it. The
+    weights' gradients are the per-position terms."""
+    hidden, lm_head, targets, weights = random_inputs(batch=2, seq=9, dim=8, vocab=20)
+
+    def scaled(losses):
+        return jax.grad(lambda *args: -3.0 * losses(args[0], args[1], targets, *args[2:])[0],
+                        argnums=(0, 1, 2, 3))(hidden, lm_head, *weights)  # fmt: skip
+
+    for actual, expected in zip(scaled(chunked(4)), scaled(plain_lm_loss), strict=True):
+        assert_close(actual, expected, rtol=1e-5)
+
+
+def test_no_gradient_flows_through_the_per_position_values():
+    """nll and logsumexp are metrics: a loss built on them sees them as constants."""
+    hidden, lm_head, targets, weights = random_inputs(batch=2, seq=9, dim=8, vocab=20)
+
+    def metric_only(hidden):
+        return chunked_lm_loss(hidden, lm_head, targets, *weights, chunk_tokens=4).nll.sum()
+
+    assert not np.asarray(jax.grad(metric_only)(hidden)).any()
+
+
+def test_chunked_lm_loss_in_bfloat16_matches_the_plain_bfloat16_path():
     """bf16 hidden states: the same bf16 products with fp32 accumulation. d(lm_head) differs by
     the plain path's rounding to bf16 (the transpose of its cast), which the chunks skip."""
-    hidden, lm_head, targets, cotangents = random_inputs(4, 24, 32, 40, dtype=jnp.bfloat16)
-    chunked = functools.partial(chunked_token_losses, chunk_tokens=16)
-    outputs, grads = values_and_gradients(chunked, hidden, lm_head, targets, cotangents)
+    hidden, lm_head, targets, weights = random_inputs(4, 24, 32, 40, dtype=jnp.bfloat16)
+    outputs, grads = values_and_gradients(chunked(16), hidden, lm_head, targets, weights)
     expected_outputs, expected_grads = values_and_gradients(
-        plain_token_losses, hidden, lm_head, targets, cotangents
+        plain_lm_loss, hidden, lm_head, targets, weights
     )
     assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32
     for actual, expected in zip(outputs, expected_outputs, strict=True):
@@ -84,8 +120,8 @@ def loss_and_grad_temp_bytes(losses, tokens, dim=256, vocab=M3_VOCAB) -> int:
     hidden and lm_head, for one row of `tokens`; compiled only, never run."""
 
     def loss(hidden, lm_head, targets):
-        nll, lse = losses(hidden, lm_head, targets)
-        return nll.mean() + 1e-4 * jnp.square(lse).mean()
+        weights = jnp.full(targets.shape, 1 / tokens)
+        return losses(hidden, lm_head, targets, weights, 1e-4 * weights)[0]
 
     shapes = (
         jax.ShapeDtypeStruct((1, tokens, dim), jnp.float32),
@@ -102,9 +138,8 @@ def test_chunked_loss_and_gradient_temporaries_are_a_fraction_of_one_logits_arra
     does not grow with the tokens."""
     tokens = 4096
     logits_bytes = tokens * M3_VOCAB * 4
-    plain = loss_and_grad_temp_bytes(plain_token_losses, tokens)
-    chunked = functools.partial(chunked_token_losses, chunk_tokens=256)
-    chunked_bytes = loss_and_grad_temp_bytes(chunked, tokens)
+    plain = loss_and_grad_temp_bytes(plain_lm_loss, tokens)
+    chunked_bytes = loss_and_grad_temp_bytes(chunked(256), tokens)
     assert plain > logits_bytes  # the measurement sees the logits
     assert chunked_bytes <= 0.25 * logits_bytes, (chunked_bytes, logits_bytes)
-    assert loss_and_grad_temp_bytes(chunked, 2 * tokens) <= 1.05 * chunked_bytes
+    assert loss_and_grad_temp_bytes(chunked(256), 2 * tokens) <= 1.05 * chunked_bytes

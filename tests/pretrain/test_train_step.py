@@ -12,6 +12,7 @@ from batch_format.batch import Batch, make_batch
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain import train_step
+from pretrain.chunked_loss import LMLoss
 from pretrain.loss import loss_totals
 from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.train_step import init_state, make_loss_fn, make_train_step
@@ -146,14 +147,25 @@ def test_chunked_lm_loss_gives_the_plain_logits_loss_and_gradients(monkeypatch):
         )
         return loss, metrics, grads
 
+    def plain_lm_loss(hidden, lm_head, targets, nll_weights, lse_square_weights=None, **_):
+        nll, lse = plain_losses(hidden, lm_head, targets)
+        loss = (nll_weights * nll).sum()
+        if lse_square_weights is not None:
+            loss += (lse_square_weights * lse**2).sum()
+        return LMLoss(loss, nll, lse)
+
     chunked = loss_and_grad()
-    monkeypatch.setattr(
-        train_step, "chunked_token_losses", lambda h, w, t, chunk_tokens: plain_losses(h, w, t)
-    )
+    monkeypatch.setattr(train_step, "chunked_lm_loss", plain_lm_loss)
     plain = loss_and_grad()
     np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-6)
     for name in ("nll", "z_loss", "mtp_nll"):
         np.testing.assert_allclose(chunked[1][name], plain[1][name], rtol=1e-6)
+    # the weights inside the LM loss are the objective's: its value is the weighted metrics'
+    metrics, model_config = chunked[1], run.model
+    objective = metrics["nll"] + run.optimizer.z_loss_weight * metrics["z_loss"]
+    objective += model_config.mtp.loss_weight * metrics["mtp_nll"]
+    objective += model_config.moe.balance_loss_weight * metrics.get("balance_loss", 0.0)
+    np.testing.assert_allclose(chunked[0], objective, rtol=1e-6)
     for path, grad in jax.tree_util.tree_leaves_with_path(plain[2]):
         actual = functools.reduce(lambda tree, key: tree[key.key], path, chunked[2])
         scale = np.abs(grad).max()
