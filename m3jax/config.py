@@ -18,7 +18,7 @@ RENAMED_TYPES = {
     "mlp_layer_types": {"sparse": "moe"},
 }
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "save_attention_dots")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe/local.py
 GROUPED_MATMUL_IMPLS = (
@@ -223,7 +223,7 @@ class ModelConfig:
     dtype: str = (
         "float32"  # activation/matmul dtype; params stay float32, norms/softmax/router fp32
     )
-    remat: str = "none"  # what the backward recomputes per layer: none|full|save_dots|save_attention
+    remat: str = "none"  # what the backward recomputes per layer: one of REMAT_POLICIES
     # "auto": the MSA Pallas GPU kernels where they apply, else "xla"; "pallas": the kernels or an
     # error; "xla": query-tiled attention and MSA, memory linear in S; "reference": O(S²) jnp (tests)
     attention_impl: str = "auto"

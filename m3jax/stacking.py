@@ -20,6 +20,12 @@ REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # recompute all but the MSA kernels' attention outputs (selection and projections recomputed)
     "save_attention": jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT),
+    # and every dot without batch dimensions (projections, router, shared expert): 1.03x
+    # save_attention's step on bench-h200 at 9 GB more memory (benchmarks/RESULTS.md)
+    "save_attention_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT),
+    ),
 }
 
 
@@ -49,8 +55,8 @@ def scan_layers(
 ) -> tuple[jax.Array, Any]:
     """Runs `step(layer, x) -> (x, per-layer output)` over the stack; outputs stacked over layers.
 
-    remat: "none" | "full" | "save_dots" | "save_attention" (what the backward pass recomputes
-    per layer).
+    remat: "none" | "full" | "save_dots" | "save_attention" | "save_attention_dots" (what the
+    backward pass recomputes per layer).
     """
     graphdef, state = nnx.split(layers)
 

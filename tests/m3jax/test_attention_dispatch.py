@@ -151,11 +151,13 @@ def test_model_loss_and_gradients_equal_with_kernels_and_xla():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat, forward_runs", [("full", 2), ("save_attention", 1)])
+@pytest.mark.parametrize(
+    "remat, forward_runs", [("full", 2), ("save_attention", 1), ("save_attention_dots", 1)]
+)
 def test_save_attention_remat_runs_the_msa_kernels_forward_once(remat, forward_runs):
-    """`model.remat=save_attention` keeps the MSA kernels' attention outputs for the backward pass
-    (`full` recomputes them: the LSE and forward kernels run twice a step), with the gradients of
-    no rematerialisation. The selection is recomputed under both."""
+    """`model.remat=save_attention` (and `save_attention_dots`) keeps the MSA kernels' attention
+    outputs for the backward pass (`full` recomputes them: the LSE and forward kernels run twice a
+    step), with the gradients of no rematerialisation. The selection is recomputed under all."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 272, (1, 48)), jnp.int32)
     positions, segments = jnp.arange(48)[None], jnp.ones((1, 48), jnp.int32)
     mode = ForwardMode(indexer_loss=True)
