@@ -21,7 +21,7 @@ REMAT_POLICIES = {
     # recompute all but the MSA kernels' attention outputs (selection and projections recomputed)
     "save_attention": jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT),
     # and every dot without batch dimensions (projections, router, shared expert): 1.03x
-    # save_attention's step on bench-h200 at 9 GB more memory (benchmarks/RESULTS.md)
+    # save_attention's step on bench-h200, peak <= 93 GB against 84 (benchmarks/RESULTS.md)
     "save_attention_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT),
