@@ -82,7 +82,7 @@ def chunked_lm_loss(
         raise ValueError(f"{chunk_tokens=} must be >= 1")
     if lse_square_weights is None:
         lse_square_weights = jnp.zeros(nll_weights.shape, jnp.float32)
-    batch, seq, dim = hidden.shape
+    batch, seq = targets.shape
     num_chunks = -(-seq // max(1, chunk_tokens // batch))
     per_row = -(-seq // num_chunks)  # the fewest positions per row that n chunks need
     pad = num_chunks * per_row - seq
