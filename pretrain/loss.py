@@ -32,8 +32,11 @@ def lm_weights(run: RunConfig, mask: jax.Array, total: jax.Array) -> tuple[jax.A
 
 
 def mean_weights(mask: jax.Array, total: jax.Array) -> jax.Array:
-    """w with Σ w·x = masked_mean(x, mask, total=total): mask / total (0 where total is 0)."""
-    return jnp.where(total > 0, mask.astype(jnp.float32) / jnp.maximum(total, 1e-9), 0.0)
+    """w with Σ w·x = masked_mean(x, mask, total=total): mask / total, 0 where total is 0. A NaN
+    in the mask stays NaN (so does a NaN total): a poisoned batch must make the loss non-finite
+    and the step be skipped (pretrain/faults.py), not weigh nothing."""
+    empty = total == 0
+    return jnp.where(empty, 0.0, mask.astype(jnp.float32) / jnp.where(empty, 1.0, total))
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:

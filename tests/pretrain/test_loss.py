@@ -4,7 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pretrain.loss import document_kinds, load_balance_loss, masked_mean, token_losses
+from pretrain.loss import (
+    document_kinds,
+    load_balance_loss,
+    masked_mean,
+    mean_weights,
+    token_losses,
+)
 
 
 def test_next_token_loss_matches_log_softmax_and_ignores_masked_positions():
@@ -32,6 +38,17 @@ def test_masked_mean_of_an_empty_mask_is_the_given_value_not_nan():
     assert masked_mean(values, jnp.zeros((2, 3))) == 0
     assert jnp.isnan(masked_mean(values, jnp.zeros((2, 3)), empty=jnp.nan))
     np.testing.assert_allclose(masked_mean(values, jnp.array([[0, 1, 0], [0, 0, 3]])), (1 + 15) / 4)
+
+
+def test_mean_weights_give_the_masked_mean_and_keep_a_poisoned_mask_non_finite():
+    values = jnp.arange(6.0).reshape(2, 3)
+    mask = jnp.array([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    total = jnp.float32(5.0)  # the whole batch's targets, of which this part holds 3
+    weights = mean_weights(mask, total)
+    np.testing.assert_allclose((weights * values).sum(), masked_mean(values, mask, total=total))
+    assert not mean_weights(mask, jnp.float32(0.0)).any()  # no targets: no weight, not NaN
+    poisoned = mask.at[0, 1].set(jnp.nan)
+    assert not np.isfinite((mean_weights(poisoned, poisoned.sum()) * values).sum())
 
 
 def test_document_kinds_tags_every_token_with_its_documents_richest_modality():
