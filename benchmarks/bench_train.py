@@ -13,6 +13,11 @@ warm-up steps, tokens/s, MFU (model FLOPs as m3-train counts them, pretrain/mfu.
 TFLOP/s and against the bf16 matmul rate measured in the same run), the device's peak memory and
 the ratio to the first variant measured in the same run; `--profile DIR` adds the first variant's
 device time by kernel (benchmarks/trace_summary.py). The last stdout line is JSON.
+
+The device's peak-memory counter only grows within a process, so in one process a variant's peak
+is the largest so far. `--isolate` runs each variant in a process of its own (this module, one
+variant, one after the other on the same device): peaks of their own, and a variant that runs
+out of memory leaves nothing behind for the next; each child measures the matmul rate again.
 """
 
 import argparse
@@ -20,6 +25,8 @@ import contextlib
 import dataclasses
 import functools
 import json
+import subprocess
+import sys
 import time
 from unittest import mock
 
@@ -170,27 +177,20 @@ def main() -> None:
     parser.add_argument("--stop-at-error", action="store_true",
                         help="skip the variants after the first that fails (e.g. longer "
                              "sequences after the first that does not fit)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="each variant in a process of its own (its own peak memory)")
     args = parser.parse_args()
-    matmul = matmul_tflops(8192 if jax.default_backend() == "gpu" else 512)
-    print(json.dumps({"bf16 matmul TFLOP/s (measured)": matmul}), flush=True)
     rows = []
-    for variant in args.variants:
-        try:
-            row = {"variant": variant or "as configured",
-                   **time_variant(args.config, variant.split(), args.steps,
-                                  args.profile if not rows else None, args.document_tokens)}  # fmt: skip
-        except Exception as e:  # e.g. out of memory: record it, keep going
-            row = {"variant": variant or "as configured", "error": str(e).splitlines()[0][:300]}
-        if "model_tflops_per_s" in row:
-            row["mfu_989"] = row["model_tflops_per_s"] / PEAK_TFLOPS
-            row["of_matmul_rate"] = row["model_tflops_per_s"] / matmul
+    for index, variant in enumerate(args.variants):
+        measure = isolated_variant if args.isolate else variant_row
+        row = measure(args, variant, profile=args.profile if index == 0 else None)
         if rows and "tokens_per_s" in row and "tokens_per_s" in rows[0]:
             row["vs_first"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         if "error" in row and args.stop_at_error:
             break
-    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.config}")
+    print(f"\n{rows[0].get('device', '?')}, jax {jax.__version__}, {args.config}")
     print(
         "| variant | step ms | tokens/s | MFU (989) | of matmul rate | peak GB | vs first | loss |"
     )
@@ -205,6 +205,46 @@ def main() -> None:
             f"{row.get('vs_first', 1.0):.2f}× | {row['first_loss']:.3f} → {row['last_loss']:.3f} |"
         )
     print(json.dumps(rows))
+
+
+@functools.cache
+def measured_matmul_rate() -> float:
+    """This process's bf16 matmul rate (measured once, printed)."""
+    rate = matmul_tflops(8192 if jax.default_backend() == "gpu" else 512)
+    print(json.dumps({"bf16 matmul TFLOP/s (measured)": rate}), flush=True)
+    return rate
+
+
+def variant_row(args: argparse.Namespace, variant: str, profile: str | None) -> dict:
+    """One variant timed in this process: its row, or its error (e.g. out of memory)."""
+    name, matmul = variant or "as configured", measured_matmul_rate()
+    try:
+        row = {"variant": name, **time_variant(args.config, variant.split(), args.steps, profile,
+                                               args.document_tokens)}  # fmt: skip
+    except Exception as e:  # e.g. out of memory: record it, keep going
+        return {"variant": name, "error": str(e).splitlines()[0][:300]}
+    row["device"] = jax.devices()[0].device_kind
+    row["mfu_989"] = row["model_tflops_per_s"] / PEAK_TFLOPS
+    row["of_matmul_rate"] = row["model_tflops_per_s"] / matmul
+    return row
+
+
+def isolated_variant(args: argparse.Namespace, variant: str, profile: str | None) -> dict:
+    """One variant timed by a child process of this module: its row (the child's last stdout
+    line), or the child's last words when it died without one."""
+    command = [sys.executable, "-m", "benchmarks.bench_train", "--config", args.config,
+               "--steps", str(args.steps), "--document-tokens", str(args.document_tokens),
+               "--variants", variant] + (["--profile", profile] if profile else [])  # fmt: skip
+    child = subprocess.run(command, capture_output=True, text=True)
+    lines = child.stdout.strip().splitlines()
+    # its matmul rate and profile (its row comes back as this process's)
+    print("\n".join(line for line in lines if line.startswith(('{"bf16', " ", "/"))), flush=True)
+    try:
+        return json.loads(lines[-1])[0]
+    except (IndexError, ValueError):
+        said = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"variant": variant or "as configured",
+                "error": f"child exited {child.returncode}: {said[:250]}"}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """The GPU benchmarks' own logic, on CPU: bench_msa's kernel configs and phase filter, bench_train's
-synthetic packed rows and pinned kernels; bench_msa_tpu's refusal without a TPU."""
+synthetic packed rows, pinned kernels and isolated variants; bench_msa_tpu's refusal without a
+TPU."""
 
 import functools
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -69,3 +73,33 @@ def test_tpu_bench_refuses_to_time_without_a_tpu(monkeypatch):
     monkeypatch.setattr("sys.argv", ["bench_msa_tpu", "--lengths", "256"])
     with pytest.raises(SystemExit, match="needs a TPU"):
         bench_msa_tpu.main()
+
+
+def test_isolated_variants_run_one_child_each_and_report_a_dead_childs_last_words(
+    monkeypatch, capsys
+):
+    """--isolate: one child process per variant, the profile only for the first; its row comes
+    back, and a child that died without one (e.g. killed for memory) becomes an error row."""
+    commands = []
+
+    def fake_run(command, **_):
+        commands.append(command)
+        variant = command[command.index("--variants") + 1]
+        if variant == "broken":
+            return subprocess.CompletedProcess(command, -9, "", "startup\nKilled by the OOM\n")
+        speed = 2000.0 if variant else 1000.0
+        row = {"variant": variant or "as configured", "tokens_per_s": speed, "step_ms": 1e6 / speed,
+               "mfu_989": 0.1, "of_matmul_rate": 0.2, "peak_gb": 1.0, "first_loss": 2.0,
+               "last_loss": 1.0}  # fmt: skip
+        return subprocess.CompletedProcess(command, 0, f"{{}}\n{json.dumps([row])}\n", "")
+
+    monkeypatch.setattr(bench_train.subprocess, "run", fake_run)
+    argv = ["bench_train", "--config", "c.yaml", "--isolate", "--profile", "/tmp/p",
+            "--variants", "", "model.remat=none", "broken"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_train.main()
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [c[c.index("--variants") + 1] for c in commands] == ["", "model.remat=none", "broken"]
+    assert ["--profile" in c for c in commands] == [True, False, False]
+    assert rows[1]["vs_first"] == 2.0 and "error" not in rows[1]
+    assert rows[2]["error"] == "child exited -9: Killed by the OOM"
