@@ -136,7 +136,7 @@ def backward_pass(
 
     parts = tiling.key_split
     out_shape = [jax.ShapeDtypeStruct((parts * geo.entries * geo.group, geo.head_dim), q.dtype)]
-    args = [*chunks.table(lists), offset, q, k, v, segment_ids, lse, delta, d_out]
+    args = [*chunks.table(geo, lists), offset, q, k, v, segment_ids, lse, delta, d_out]
     if with_student:
         args += [*student, lse_z, d_kl]
         out_shape.append(jax.ShapeDtypeStruct((parts * geo.entries, geo.index_dim), jnp.float32))

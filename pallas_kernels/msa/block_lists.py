@@ -33,7 +33,6 @@ class BlockLists(NamedTuple):
     entries: jax.Array  # [E] flat selection index ((b·W + i)·K + h)·k + j of each sorted entry
     sorted_position: jax.Array  # [E] inverse of `entries`: where selection e went in the sort
     segment_starts: jax.Array  # [E] sorted position of each segment's first entry
-    segment_sizes: jax.Array  # [E] chunks in each segment (1..segment_chunks)
     segment_entries: jax.Array  # [E] entries in each segment (1..segment_chunks·chunk_queries)
     num_segments: jax.Array  # [1]
 
@@ -91,7 +90,6 @@ def build(
         entries=order,
         sorted_position=jnp.zeros(total, jnp.int32).at[order].set(index),
         segment_starts=per_segment(index),
-        segment_sizes=per_segment(-(-entries // chunk_queries)),
         segment_entries=per_segment(entries),
         num_segments=starts_segment.sum(dtype=jnp.int32)[None],
     )

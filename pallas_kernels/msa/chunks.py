@@ -237,14 +237,10 @@ def launch(kernel, name, tiling, out_shape, *args, interpret, aliases=None):
     )(*args)
 
 
-def table(lists: BlockLists):
-    return (
-        lists.keys,
-        lists.entries,
-        lists.segment_starts,
-        lists.segment_sizes,
-        lists.num_segments,
-    )
+def table(geo: Geometry, lists: BlockLists):
+    """The Triton kernels' first operands: the lists, with each segment's size in chunks."""
+    sizes = -(-lists.segment_entries // geo.chunk_queries)
+    return lists.keys, lists.entries, lists.segment_starts, sizes, lists.num_segments
 
 
 def first_student_rows(geo: Geometry):

@@ -59,7 +59,7 @@ def lse_pass(geo, tiling, lists, offset, q, k, segment_ids, student, *, interpre
         chunks.for_each_segment(lists_refs, segment_body)
 
     out_shape = [jax.ShapeDtypeStruct((geo.entries * geo.group,), jnp.float32)]
-    args = [*chunks.table(lists), offset, q, k, segment_ids]
+    args = [*chunks.table(geo, lists), offset, q, k, segment_ids]
     if with_student:
         out_shape.append(jax.ShapeDtypeStruct((geo.entries,), jnp.float32))
         args += list(student)
@@ -119,7 +119,7 @@ def forward_pass(
         chunks.for_each_segment(lists_refs, segment_body)
 
     out_shape = [jax.ShapeDtypeStruct((geo.entries * geo.group, geo.head_dim), q.dtype)]
-    args = [*chunks.table(lists), offset, q, k, v, segment_ids, lse]
+    args = [*chunks.table(geo, lists), offset, q, k, v, segment_ids, lse]
     if with_student:
         out_shape.append(jax.ShapeDtypeStruct((geo.entries,), jnp.float32))
         args += [*student, lse_z]

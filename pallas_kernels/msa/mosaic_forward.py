@@ -179,9 +179,9 @@ def num_programs(tiling: Tiling) -> int:
 
 def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists):
     """[E, TABLE_COLUMNS] int32 per segment (rows past num_segments are junk, never read): sorted
-    position of its first entry, its number of entries, the padded K/V row of the block window's first key as
-    tile·8 + shift (its aligned row tile·8 in the shifted copy `shift`), that key's global slot
-    b·S + slot, b·S, and the kv head."""
+    position of its first entry, its number of entries, the padded K/V row of the block window's
+    first key as tile·8 + shift (its aligned row tile·8 in the shifted copy `shift`), that key's
+    global slot b·S + slot, b·S, and the kv head."""
     seq, size = geo.seq, geo.block_size
     key = lists.keys[lists.segment_starts]
     pair, offset = key // (2 * seq), key % (2 * seq)
@@ -190,8 +190,8 @@ def segment_table(geo: chunks.Geometry, lists: block_lists.BlockLists):
     window = jnp.maximum(offset - seq, -size)
     row_start = batch * seq
     kv_row = size + row_start + window
-    columns = (lists.segment_starts, lists.segment_entries, kv_row // TILE_ROWS, kv_row % TILE_ROWS,
-               row_start + window, row_start, head)  # fmt: skip
+    columns = (lists.segment_starts, lists.segment_entries, kv_row // TILE_ROWS,
+               kv_row % TILE_ROWS, row_start + window, row_start, head)  # fmt: skip
     assert len(columns) == TABLE_COLUMNS
     return jnp.stack(columns, axis=1).astype(jnp.int32)
 
