@@ -50,7 +50,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pretrain.loss import token_losses
+from pretrain import loss
 
 
 class LMLoss(NamedTuple):
@@ -117,7 +117,7 @@ def _chunk_losses(hidden, lm_head, targets, nll_weights, lse_square_weights):
     """hidden [chunks, B, per_row, D], lm_head [D, V], targets and weights [chunks, B, per_row]
     -> (loss, nll, logsumexp [chunks, B, per_row]); the values alone."""
     weight = lm_head.astype(hidden.dtype)
-    nll, log_normalizer = jax.lax.map(lambda c: token_losses(_logits(c[0], weight), c[1]),
+    nll, log_normalizer = jax.lax.map(lambda c: _token_losses(_logits(c[0], weight), c[1]),
                                       (hidden, targets))  # fmt: skip
     return _weighted(nll, log_normalizer, nll_weights, lse_square_weights), nll, log_normalizer
 
@@ -130,7 +130,7 @@ def _chunk_losses_forward(hidden, lm_head, targets, nll_weights, lse_square_weig
     def one_chunk(d_weight, chunk):
         h, t, w_nll, w_lse_square = chunk
         logits = _logits(h, weight)  # [B, per_row, V]
-        nll, log_normalizer = token_losses(logits, t)
+        nll, log_normalizer = _token_losses(logits, t)
         softmax = jnp.exp(logits - log_normalizer[..., None])
         is_target = t[..., None] == jnp.arange(vocab)
         # nll = lse - logit[t]: d/dlogits = softmax - onehot; lse²: 2·lse·softmax
@@ -164,6 +164,28 @@ def _chunk_losses_backward(residuals, cotangents):
 
 
 _chunk_losses.defvjp(_chunk_losses_forward, _chunk_losses_backward)
+
+
+def _token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return loss.token_losses(logits, targets, logsumexp=_logsumexp)
+
+
+def _logsumexp(logits: jax.Array, axis: int = -1) -> jax.Array:
+    """logsumexp over `axis` in one pass: a running (max, sum of exp(x - max)) pair per
+    position, where `jax.nn.logsumexp` reads the fp32 logits twice (max, then the sum): 5.8 ms of
+    a bench-h200 step each on an H200 (benchmarks/RESULTS.md). Not differentiable (the forward's
+    own gradient uses it)."""
+
+    def combine(a, b):
+        (max_a, sum_a), (max_b, sum_b) = a, b
+        top = jnp.maximum(max_a, max_b)
+        shift = jnp.where(top == -jnp.inf, 0.0, top)  # two empty pairs stay (-inf, 0)
+        return top, sum_a * jnp.exp(max_a - shift) + sum_b * jnp.exp(max_b - shift)
+
+    start = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0.0, logits.dtype))
+    top, total = jax.lax.reduce((logits, jnp.ones_like(logits)), start, combine,
+                                (axis % logits.ndim,))  # fmt: skip
+    return top + jnp.log(total)
 
 
 def _dot(x: jax.Array, y: jax.Array, contracting: tuple) -> jax.Array:

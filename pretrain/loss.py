@@ -39,9 +39,12 @@ def mean_weights(mask: jax.Array, total: jax.Array) -> jax.Array:
     return jnp.where(empty, 0.0, mask.astype(jnp.float32) / jnp.where(empty, 1.0, total))
 
 
-def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-position cross-entropy and logsumexp, each [B, S], from logits [B, S, V] fp32."""
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+def token_losses(
+    logits: jax.Array, targets: jax.Array, logsumexp=jax.nn.logsumexp
+) -> tuple[jax.Array, jax.Array]:
+    """Per-position cross-entropy and logsumexp, each [B, S], from logits [B, S, V] fp32
+    (`logsumexp` over the last axis: pretrain/chunked_loss.py passes its one-pass reduction)."""
+    log_normalizer = logsumexp(logits, axis=-1)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return log_normalizer - target_logits, log_normalizer
 

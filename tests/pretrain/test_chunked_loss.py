@@ -143,3 +143,13 @@ def test_chunked_loss_and_gradient_temporaries_are_a_fraction_of_one_logits_arra
     assert plain > logits_bytes  # the measurement sees the logits
     assert chunked_bytes <= 0.25 * logits_bytes, (chunked_bytes, logits_bytes)
     assert loss_and_grad_temp_bytes(chunked(256), 2 * tokens) <= 1.05 * chunked_bytes
+
+
+def test_one_pass_logsumexp_matches_jax_over_scales_and_masked_entries():
+    from pretrain.chunked_loss import _logsumexp
+
+    logits = 30.0 * jax.random.normal(jax.random.key(3), (3, 5, 1001), jnp.float32)
+    logits = logits.at[0, 0, :].set(-jnp.inf).at[1, :, 7:].set(-jnp.inf).at[2, 1, 3].add(500.0)
+    for axis in (-1, 1):
+        np.testing.assert_allclose(_logsumexp(logits, axis), jax.nn.logsumexp(logits, axis),
+                                   rtol=1e-6)  # fmt: skip
