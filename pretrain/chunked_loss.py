@@ -173,14 +173,14 @@ def _token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax
 def _logsumexp(logits: jax.Array, axis: int = -1) -> jax.Array:
     """logsumexp over `axis` in one pass: a running (max, sum of exp(x - max)) pair per
     position, where `jax.nn.logsumexp` reads the fp32 logits twice (max, then the sum): 5.8 ms of
-    a bench-h200 step each on an H200 (benchmarks/RESULTS.md). Not differentiable (the forward's
-    own gradient uses it)."""
+    a bench-h200 step each on an H200; with two exps a combine this pass took 10.2 ms, compute
+    bound (benchmarks/RESULTS.md). Not differentiable (the forward's own gradient uses it)."""
 
-    def combine(a, b):
+    def combine(a, b):  # one exp a combine: the smaller max's sum is scaled down to the larger
         (max_a, sum_a), (max_b, sum_b) = a, b
-        top = jnp.maximum(max_a, max_b)
-        shift = jnp.where(top == -jnp.inf, 0.0, top)  # two empty pairs stay (-inf, 0)
-        return top, sum_a * jnp.exp(max_a - shift) + sum_b * jnp.exp(max_b - shift)
+        top, low = jnp.maximum(max_a, max_b), jnp.minimum(max_a, max_b)
+        scale = jnp.where(top == -jnp.inf, 0.0, jnp.exp(low - top))  # two empty pairs: (-inf, 0)
+        return top, jnp.where(max_a >= max_b, sum_a + sum_b * scale, sum_a * scale + sum_b)
 
     start = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0.0, logits.dtype))
     top, total = jax.lax.reduce((logits, jnp.ones_like(logits)), start, combine,
