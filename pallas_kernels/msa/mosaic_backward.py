@@ -67,7 +67,7 @@ def shared_bytes(
     main = tiles_ * itemsize + 4 * (keys * head_dim + keys + 4 * stages * rows)
     if not index_dim:
         return main
-    return max(main, mosaic_student.shared_bytes(tiling, head_dim, index_dim, group, itemsize))
+    return max(main, mosaic_student.shared_bytes(index_dim, itemsize))
 
 
 def unsupported_reason(

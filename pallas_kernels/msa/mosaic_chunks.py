@@ -210,16 +210,37 @@ class Item(NamedTuple):
     key_segments: jax.Array
 
 
-def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices) -> Item:
-    """Start item (segment `index`, key half `part`): TMA-copy the half's `block_operands` (k,
-    v: [8, N, K, D] by kv head; kseg, ik: [8, N, ...]) and the first `stages` chunks of
-    `matrices` and row operands (data, values), wait for the former."""
-    first, count, tile_row, shift, key_slot, row_start, head = segment_row(ref, index)
-    queries = geo.chunk_queries
+def copy_keys(ref, smem, index, part, block_operands) -> tuple:
+    """Issue the TMA copies of item (segment `index`, key half `part`)'s `block_operands` (k, v:
+    [8, N, K, D] by kv head; kseg, ik: [8, N, ...]) -> the segment's `segment_row`."""
+    row = segment_row(ref, index)
+    tile_row, shift, head = row[2], row[3], row[6]
     window = pl.ds(tile_row * TILE_ROWS + part * PART_KEYS, PART_KEYS)
     for bar, name in enumerate(block_operands):
         keys = (shift, window, head) if name in ("k", "v") else (shift, window)
         plgpu.copy_gmem_to_smem(ref[name].at[keys], smem[name], smem["key_bars"].at[bar])
+    return row
+
+
+def key_data(smem, row, part, num_operands: int) -> tuple[jax.Array, jax.Array]:
+    """Wait for `copy_keys`' copies -> the key half's global slots (NOT_VISIBLE before the
+    block's row) and segment ids, one per tile row."""
+    key_slot, row_start = row[4], row[5]
+    for bar in range(num_operands):
+        plgpu.barrier_wait(smem["key_bars"].at[bar])
+    slots = key_slot + part * PART_KEYS + plgpu.broadcasted_iota(
+        jnp.int32, (PART_KEYS,), 0, layout=ROW_LAYOUT
+    )
+    slots = jnp.where(slots >= row_start, slots, NOT_VISIBLE)
+    return slots, plgpu.load(smem["kseg"], layout=ROW_LAYOUT, optimized=False)
+
+
+def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices) -> Item:
+    """Start item (segment `index`, key half `part`): TMA-copy the half's `block_operands`
+    (`copy_keys`) and the first `stages` chunks of `matrices` and row operands (data, values),
+    wait for the former."""
+    row = copy_keys(ref, smem, index, part, block_operands)
+    first, count, queries = row[0], row[1], geo.chunk_queries
 
     def fetch(chunk):
         fetch_chunk(geo, ref, smem, chunk % tiling.stages, first + chunk * queries, matrices,
@@ -228,13 +249,7 @@ def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices) -> 
     num_chunks = (count + queries - 1) // queries
     for chunk in range(tiling.stages):
         pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
-    for bar in range(len(block_operands)):
-        plgpu.barrier_wait(smem["key_bars"].at[bar])
-    slots = key_slot + part * PART_KEYS + plgpu.broadcasted_iota(
-        jnp.int32, (PART_KEYS,), 0, layout=ROW_LAYOUT
-    )
-    slots = jnp.where(slots >= row_start, slots, NOT_VISIBLE)
-    key_segments = plgpu.load(smem["kseg"], layout=ROW_LAYOUT, optimized=False)
+    slots, key_segments = key_data(smem, row, part, len(block_operands))
     return Item(first, count, num_chunks, fetch, slots, key_segments)
 
 

@@ -127,7 +127,8 @@ def shared_bytes(
     """Shared memory of one program (`_scratch`): the forward's K, V, Q ring, P, output staging,
     key segment ids and row data; with a student (index_dim > 0) also the index-key block, the
     index-row ring and the LSE_z staging, and the larger of that and the KL pass' (K, index keys,
-    the two rings, P's two parts, the averaging matrix, row data and LSEs, the KL staging)."""
+    the two rings, P's two parts, the averaging matrix, row data and LSEs, the KL and fp32
+    teacher staging)."""
     rows, stages = tiling.rows, tiling.stages
     index_tiles = (block_size + stages * rows) * index_dim
     tiles = (2 * block_size + (stages + 1) * rows) * head_dim + rows * block_size + index_tiles
@@ -136,7 +137,8 @@ def shared_bytes(
     if not index_dim:
         return forward
     tiles = (block_size + stages * rows) * head_dim + rows * (2 * block_size + rows) + index_tiles
-    return max(forward, tiles * itemsize + 4 * (block_size + (4 * stages + 1) * rows))
+    words = block_size + (4 * stages + 1) * rows + rows * block_size
+    return max(forward, tiles * itemsize + 4 * words)
 
 
 def unsupported_reason(
@@ -378,15 +380,21 @@ def kl_pass(
     lses: jax.Array,
     *,
     interpret: bool = False,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
-    an entry), over the same segments and chunks as `forward`, given the global LSEs per row
-    `lses` (`row_values` of lse and lse_z); the other operands as `forward`'s."""
+    an entry) and the teacher over the block's keys [E, block] fp32 (the group's mean
+    probability under the global LSEs: the student's gradients start from it,
+    mosaic_student.py), over the same segments and chunks as `forward`, given the global LSEs
+    per row `lses` (`row_values` of lse and lse_z); the other operands as `forward`'s."""
     operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, iq=student[0],
                     ik=student[1], lses=lses,
                     average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
-    outputs = dict(kl=jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32))
-    return _launch(geo, tiling, operands, outputs, interpret)["kl"]
+    outputs = dict(
+        kl=jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32),
+        teacher=jax.ShapeDtypeStruct((geo.entries, geo.block_size), jnp.float32),
+    )
+    results = _launch(geo, tiling, operands, outputs, interpret)
+    return results["kl"], results["teacher"]
 
 
 def averaging(geo: chunks.Geometry, tiling: Tiling, dtype) -> jax.Array:
@@ -457,12 +465,16 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 # writes)
                 plgpu.commit_smem()
                 pl.when(chunk + stages < num_chunks)(lambda: fetch(chunk + stages))
+                teacher = None
                 if kl:
-                    results["kl"] = _kl_chunk(smem, logits, seen, z, *per_row["lses"])
+                    results["kl"], teacher = _kl_chunk(smem, logits, seen, z, *per_row["lses"])
                 else:
                     results.update(_attention_chunk(smem, logits, seen))
                 store_chunk(geo, smem, ref, results, (first + chunk * queries) * group,
                             count - chunk * queries)  # fmt: skip
+                if kl:  # an entry's rows hold the same teacher: its first row is stored
+                    store_chunk(geo, smem, ref, {"teacher": teacher}, first + chunk * queries,
+                                count - chunk * queries, stored_rows=1)  # fmt: skip
                 return carry
 
             jax.lax.fori_loop(0, num_chunks, chunk_body, 0)
@@ -483,8 +495,8 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         return {"o": out.astype(dtype), "lse": block_lse(top, total)}
 
     def _kl_chunk(smem, logits, visible, z, lse, lse_z):
-        """The KL pass' per-row KL share of a chunk: P = exp(S·Dh^-½ - LSE) with the global LSE,
-        the teacher A·P on wgmma, the student's log-probabilities. P goes through shared memory
+        """The KL pass' per-row KL share of a chunk and its teacher [R, block]: P = exp(S·Dh^-½ -
+        LSE) with the global LSE, the teacher A·P on wgmma, the student's log-probabilities. P goes through shared memory
         as a 16-bit high part and the rest (P_high + P_low holds P to ~16 bits, where P_high
         alone, in bf16, put the KL ~1e-3 off the fp32 Triton kernels'); A is exact."""
         probs = normalised(geo.head_dim**-0.5, logits, lse, visible)
@@ -494,7 +506,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         plgpu.commit_smem()
         average = smem["average"]
         teacher = matmul((rows, size), (average, smem["p"]), (average, smem["p_low"]))
-        return kl_rows(teacher, z * index_scale - broadcast(lse_z, z.shape))
+        return kl_rows(teacher, z * index_scale - broadcast(lse_z, z.shape)), teacher
 
     kernel.__name__ = "msa_mosaic_kl_pass" if kl else "msa_mosaic_forward"  # profiles' name
     run = plgpu.kernel(
@@ -536,7 +548,9 @@ def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict
             average_bar=plgpu.Barrier(num_barriers=1),
         )
     for name, out in outputs.items():
-        if len(out.shape) == 2:
+        if name == "teacher":  # fp32 rows stored one by one: unswizzled
+            scratch[f"{name}_out"] = plgpu.SMEM((rows, out.shape[1]), out.dtype)
+        elif len(out.shape) == 2:
             scratch[f"{name}_out"] = tiles(rows, out.shape[1])
         else:
             scratch[f"{name}_out"] = plgpu.SMEM((rows,), out.dtype)

@@ -1,25 +1,24 @@
 """The indexer student's gradients on Hopper GPUs (Mosaic GPU): d(index_q) and d(index_k) of the
 KL between the main branch's head-averaged attention (the teacher) and the student's softmax.
 
-The teacher needs every head's probabilities P, so the kernel walks the gradients kernel's items
-(mosaic_backward.py: a segment's key half, chunks of R = chunk_queries·Ge head rows) and
-recomputes Sᵀ = K·Qᵀ and Pᵀ there. Everything after P is one value per selection entry, not per
-head row, so it runs on a segment's entries in slots of SLOT_ENTRIES, taken in parts of
-PART_ENTRIES: each chunk adds its entries' teacher columns Pᵀ·A_c ([keys, PART_ENTRIES]: A_c
-averages an entry's G head rows into the entry's column of the part; P in two 16-bit parts,
-~16-bit exact) to the part's accumulator; then the student's logits zᵀ = index_k·index_qᵀ, its
-probabilities exp(zᵀ·Di^-½ - LSE_z), d_zᵀ = (student - teacher)·d_kl·Di^-½ and d(index_q)ᵀ =
-index_kᵀ·d_zᵀ are wgmmas of N = PART_ENTRIES columns, and once per slot d(index_k) += d_zᵀ·index_q
-(K = SLOT_ENTRIES: Mosaic GPU takes shared-memory operands of K ≥ 64 only, and a non-transposed B
-only with N ≥ 64, hence the transposed d_z and averaging tiles). The former kernel ran those per
-head row (64-column tiles whose G columns per entry repeated each other): G× the student's wgmma
-and exp work. On the H200 at M3's layout and S = 128K: 55 ms; that kernel took 109 in an
-earlier profile (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-03).
+The forward's KL pass (mosaic_forward.py: `kl_pass`) leaves the teacher of every selection entry
+over its block's keys, [E, block] fp32; XLA lays it out per slot part and key half
+(`teacher_tiles`). The kernel walks the gradients kernel's items (mosaic_backward.py: a segment's
+key half of 64 keys) and runs on a segment's entries in slots of SLOT_ENTRIES, taken in parts of
+PART_ENTRIES: per part it loads the teacher tile [keys, PART_ENTRIES] from GMEM, and the
+student's logits zᵀ = index_k·index_qᵀ, its probabilities exp(zᵀ·Di^-½ - LSE_z), d_zᵀ =
+(student - teacher)·d_kl·Di^-½ and d(index_q)ᵀ = index_kᵀ·d_zᵀ are wgmmas of N = PART_ENTRIES
+columns; once per slot d(index_k) += d_zᵀ·index_q (K = SLOT_ENTRIES: Mosaic GPU takes
+shared-memory operands of K ≥ 64 only, and a non-transposed B only with N ≥ 64, hence the
+transposed d_z). The kernel before recomputed the teacher (Sᵀ = K·Qᵀ and Pᵀ of every head, their
+group mean on wgmma): 32.6 ms of a bench-h200 step on the H200 (benchmarks/RESULTS.md,
+2026-12-03).
 
 Slots: a segment's entries in runs of SLOT_ENTRIES, numbered across segments by `slot_layout`
 (so each slot's operands are one aligned TMA copy and its d(index_q) stores that no other
 program touches). XLA lays out per slot row the entry's index_q row, its query's slot and segment
-id (the mask), LSE_z and d_kl; and maps the slots' d(index_q) back to sorted entries.
+id (the mask), LSE_z and d_kl, and the teacher; and maps the slots' d(index_q) back to sorted
+entries.
 
 Shapes: as mosaic_forward.py's; N = number of slots, Di index head dim.
 """
@@ -37,15 +36,12 @@ from pallas_kernels.msa.mosaic_chunks import (
     COLUMN_LAYOUT,
     KEY_PARTS,
     PART_KEYS,
+    WGMMA,
     broadcast,
-    chunk_copies,
-    chunk_rows,
-    copy_whole,
-    entry_rows,
+    copy_keys,
+    key_data,
     matmul,
     normalised,
-    open_item,
-    release_chunk,
     store_sum,
     tiles,
     visible,
@@ -107,29 +103,24 @@ def slot_operands(geo: chunks.Geometry, lists: block_lists.BlockLists, slots: Sl
     return index_q, data, values
 
 
-def slot_averaging(geo: chunks.Geometry, tiling: Tiling, dtype) -> jax.Array:
-    """[PART_ENTRIES // chunk_queries, PART_ENTRIES, R]: A_cᵀ maps the head rows of a slot part's
-    chunk c to its entries' columns, 1/G from each of an entry's G real rows (exact in 16 bits),
-    so that Pᵀ·A_c adds the chunk's teacher columns (the group's mean probability)."""
-    per_entry, queries = entry_rows(geo.group), geo.chunk_queries
-    chunk = jnp.arange(PART_ENTRIES // queries)[:, None, None]
-    column = jnp.arange(PART_ENTRIES)[None, :, None]
-    row = jnp.arange(tiling.rows)[None, None, :]
-    mine = (column == chunk * queries + row // per_entry) & (row % per_entry < geo.group)
-    return jnp.where(mine, 1.0 / geo.group, 0.0).astype(dtype)
+def teacher_tiles(teacher: jax.Array, slots: Slots, count: int) -> jax.Array:
+    """The KL pass' teacher per sorted entry [E, block] fp32 -> per (key half, slot part)
+    [KEY_PARTS, count·SLOT_PARTS, PART_KEYS, PART_ENTRIES] (keys along rows; zeros on empty
+    slot rows, whose entries were never stored)."""
+    entries = teacher.shape[0]
+    rows = teacher[jnp.minimum(slots.entry_of_row, entries - 1)]
+    rows = jnp.where((slots.entry_of_row < entries)[:, None], rows, 0.0)
+    rows = rows.reshape(count * SLOT_PARTS, PART_ENTRIES, KEY_PARTS, PART_KEYS)
+    return rows.transpose(2, 0, 3, 1)
 
 
-def shared_bytes(
-    tiling: Tiling, head_dim: int, index_dim: int, group: int, itemsize: int = 2
-) -> int:
-    """Shared memory of one program of the kernel (`_scratch`): K's and index_k's key half, the
-    Q ring, Pᵀ in two parts, the averaging matrices, a slot's index_q rows and d_z, the fp32
-    d(index_q)ᵀ and sum staging, key segment ids and per-row words."""
-    rows, stages, keys, slot = tiling.rows, tiling.stages, PART_KEYS, SLOT_ENTRIES
-    averaging = PART_ENTRIES // tiling.chunk_queries(group) * PART_ENTRIES * rows
-    tiles_ = ((keys + stages * rows) * head_dim + keys * index_dim + 2 * keys * rows + averaging
-              + slot * index_dim + slot * keys)  # fmt: skip
-    words = keys + 4 * stages * rows + 4 * slot + index_dim * PART_ENTRIES + keys * index_dim
+def shared_bytes(index_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of one program of the kernel (`_scratch`): index_k's key half, a slot's
+    index_q rows and d_z, the fp32 d(index_q)ᵀ and sum staging, key segment ids and slot
+    words."""
+    keys, slot = PART_KEYS, SLOT_ENTRIES
+    tiles_ = keys * index_dim + slot * index_dim + slot * keys
+    words = keys + 4 * slot + index_dim * PART_ENTRIES + keys * index_dim
     return tiles_ * itemsize + 4 * words
 
 
@@ -139,16 +130,17 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
     """A window's student gradients: (d(index_q) shares [1, E, Di] fp32 at sorted positions,
     d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for `mosaic_backward.sum_partials`).
 
-    operands: the gradients kernel's walk operands with k, kseg and its per-row values (LSE,
-    δ; the student reads LSE); window: as `mosaic_backward.window_gradients`'; index_keys:
-    `shifted_keys` of index_k in q's dtype.
+    tiling: the gradients kernel's (its programs); operands: its walk operands (the segment
+    table, count and kseg are read); window: as `mosaic_backward.window_gradients`', with the KL pass' `teacher`;
+    index_keys: `shifted_keys` of index_k in q's dtype.
     """
     slots = slot_layout(operands["table"], lists.num_segments, geo.entries, bound)
     index_q, data, values = slot_operands(geo, lists, slots, window)
     index_dim, count = index_q.shape[1], num_slots(geo.entries, bound)
-    operands = dict(operands, ik=index_keys, base=slots.base, iq=index_q, slot_data=data,
+    operands = dict(table=operands["table"], count=operands["count"], kseg=operands["kseg"],
+                    ik=index_keys, base=slots.base, iq=index_q, slot_data=data,
                     slot_values=values,
-                    average=slot_averaging(geo, tiling, operands["q"].dtype))  # fmt: skip
+                    teacher=teacher_tiles(window["teacher"], slots, count))  # fmt: skip
     outputs = dict(
         diq=jax.ShapeDtypeStruct((KEY_PARTS * count * SLOT_PARTS * index_dim, PART_ENTRIES),
                                  jnp.float32),
@@ -162,22 +154,21 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
 
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
     """The student's persistent kernel over the (segment, key half) items (module docstring)."""
-    stages, dtype = tiling.stages, operands["q"].dtype
-    per_part = PART_ENTRIES // geo.chunk_queries  # chunks of a slot part
+    dtype = operands["iq"].dtype
     index_dim = operands["iq"].shape[1]
-    scale, index_scale = geo.head_dim**-0.5, index_dim**-0.5
+    index_scale = index_dim**-0.5
     count = outputs["diq"].shape[0] // (KEY_PARTS * index_dim * SLOT_PARTS)
     tile = (PART_KEYS, PART_ENTRIES)
-    block_operands = ["k", "kseg", "ik"]
+    block_operands = ["kseg", "ik"]
     accumulate = functools.partial(wgmmas, interpret)
 
     def kernel(*refs, **smem):
         ref = dict(zip([*operands, *outputs], refs))
-        copy_whole(ref, smem, "average")
 
         def item_body(index, part):
-            item = open_item(geo, tiling, ref, smem, index, part, block_operands, ["q"])
-            base, slot_count = ref["base"][index], (item.count + SLOT_ENTRIES - 1) // SLOT_ENTRIES
+            row = copy_keys(ref, smem, index, part, block_operands)
+            key_slots, key_segments = key_data(smem, row, part, len(block_operands))
+            base, slot_count = ref["base"][index], (row[1] + SLOT_ENTRIES - 1) // SLOT_ENTRIES
 
             def fetch_slot(j):
                 rows = pl.ds((base + j) * SLOT_ENTRIES, SLOT_ENTRIES)
@@ -188,29 +179,9 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
             fetch_slot(0)
 
-            def chunk_body(chunk, teacher):
-                """Add the chunk's teacher columns: Pᵀ (global LSE) times A_c."""
-                seen, (lse, _) = chunk_rows(geo, tiling, smem, item, chunk)
-                q = smem["q"].at[chunk % stages]
-                logits = matmul(seen.shape, (smem["k"], q.transpose((1, 0))))
-                probs = normalised(scale, logits, lse, seen, axis=1)
-                high = probs.astype(dtype)  # the last chunk's wgmmas have read both parts
-                smem["p"][...] = high
-                smem["p_low"][...] = (probs - high.astype(jnp.float32)).astype(dtype)
-                plgpu.commit_smem()
-                average = smem["average"].at[chunk % per_part].transpose((1, 0))
-                (teacher,) = accumulate((teacher,), [(smem["p"], average),
-                                                     (smem["p_low"], average)])  # fmt: skip
-                release_chunk(tiling, item, chunk)
-                return teacher
-
             def slot_part(j, n, carry):
-                """Part n of slot j: its teacher, student and d_zᵀ (kept for d(index_k)), its
+                """Part n of slot j: its student and d_zᵀ (kept for d(index_k)), its
                 d(index_q)ᵀ stored."""
-                first_chunk = (j * SLOT_PARTS + n) * per_part
-                last_chunk = jnp.minimum(first_chunk + per_part, item.num_chunks)
-                teacher = jax.lax.fori_loop(first_chunk, jnp.maximum(first_chunk, last_chunk),
-                                            chunk_body, zeros(tile))  # fmt: skip
                 entries = pl.ds(n * PART_ENTRIES, PART_ENTRIES)
 
                 @pl.when(n == 0)
@@ -221,8 +192,10 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                     plgpu.load(smem[name].at[c, entries], layout=COLUMN_LAYOUT, optimized=False)
                     for name in ("slot_data", "slot_values") for c in range(2)
                 )  # fmt: skip
-                seen = visible((query_slot, segment), item.key_slots, item.key_segments, tile,
+                seen = visible((query_slot, segment), key_slots, key_segments, tile,
                                key_axis=0)  # fmt: skip
+                teacher = plgpu.load(ref["teacher"].at[part, (base + j) * SLOT_PARTS + n],
+                                     layout=WGMMA, optimized=False)  # fmt: skip
                 index_rows = smem["iq"].at[entries]
                 z = matmul(tile, (smem["ik"], index_rows.transpose((1, 0))))
                 student = normalised(index_scale, z, lse_z, seen, axis=1)
@@ -260,7 +233,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
-        scratch_types=_scratch(geo, tiling, dtype, index_dim, per_part),
+        scratch_types=_scratch(dtype, index_dim, len(block_operands)),
         grid=(mosaic_forward.num_programs(tiling),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -269,23 +242,16 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     return dict(zip(outputs, run(*operands.values())))
 
 
-def _scratch(geo, tiling, dtype, index_dim: int, per_part: int) -> dict:
+def _scratch(dtype, index_dim: int, key_copies: int) -> dict:
     """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the same)."""
-    rows, stages, slot = tiling.rows, tiling.stages, SLOT_ENTRIES
+    slot = SLOT_ENTRIES
     smem = functools.partial(tiles, dtype)
     return dict(
-        k=smem(PART_KEYS, geo.head_dim), kseg=plgpu.SMEM((PART_KEYS,), jnp.int32),
-        ik=smem(PART_KEYS, index_dim), q=smem(stages, rows, geo.head_dim),
-        p=smem(PART_KEYS, rows), p_low=smem(PART_KEYS, rows),
-        average=smem(per_part, PART_ENTRIES, rows), iq=smem(slot, index_dim),
-        dz=smem(slot, PART_KEYS), data=plgpu.SMEM((stages, 2, rows), jnp.int32),
-        values=plgpu.SMEM((stages, 2, rows), jnp.float32),
+        kseg=plgpu.SMEM((PART_KEYS,), jnp.int32), ik=smem(PART_KEYS, index_dim),
+        iq=smem(slot, index_dim), dz=smem(slot, PART_KEYS),
         slot_data=plgpu.SMEM((2, slot), jnp.int32), slot_values=plgpu.SMEM((2, slot), jnp.float32),
         diq_out=tiles(jnp.float32, index_dim, PART_ENTRIES),
         sum_out=tiles(jnp.float32, PART_KEYS, index_dim),
-        average_bar=plgpu.Barrier(num_barriers=1),
-        key_bars=plgpu.Barrier(num_barriers=3),
-        q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 1, 0), num_barriers=stages),
-        data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        key_bars=plgpu.Barrier(num_barriers=key_copies),
         slot_bar=plgpu.Barrier(num_arrivals=3, num_barriers=1),
     )  # fmt: skip

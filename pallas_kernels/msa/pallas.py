@@ -285,9 +285,17 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         values = block_lists.by_selection(per_entry, lists, selection_shape)
         return jnp.where(valid.reshape(*selection_shape, *[1] * (values.ndim - 4)), values, fill)
 
+    def kl_pass(geo, tiling, lists, chunk_walk, keys, index_keys, index_q, lse, lse_z):
+        """The Mosaic KL pass of a window -> (per-entry KL shares, teacher per sorted entry)."""
+        student = (mosaic_forward.index_rows(index_q, keys[0].dtype), index_keys)
+        lses = mosaic_forward.row_values(geo, lists, [lse], [lse_z])
+        return mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student, lses,
+                                      **kernels)  # fmt: skip
+
     def mosaic_window(keys, index_keys, segment_ids, window):
         """The Mosaic forward of a window: presort, kernel, combine; with a student then the KL
-        pass on the combined LSEs, its shares summed per query."""
+        pass on the combined LSEs, its shares summed per query, and its teacher per sorted entry
+        (for the Mosaic backward's student gradients; else None)."""
         geo, tiling = forward_geo, config.mosaic
         q, index_q, blocks, positions, offset = window
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
@@ -298,15 +306,15 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         o, lse_e, lse_z_e = mosaic_forward.forward(geo, tiling, chunk_walk, *keys, student,
                                                    **kernels)  # fmt: skip
         out, lse, lse_z = mosaic_forward.combine(geo, lists, valid, o, lse_e, lse_z_e)
-        kl = None
+        kl = teacher = None
         if with_student:
-            lses = mosaic_forward.row_values(geo, lists, [lse], [lse_z])
-            kl_e = mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student,
-                                          lses, **kernels)  # fmt: skip
+            kl_e, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, index_keys, index_q,
+                                    lse, lse_z)  # fmt: skip
             # each entry's KL share sits in its first row; a query's k shares add up
             first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
             kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
-        return out.astype(q.dtype), kl, lse, lse_z
+            teacher = teacher if config.backward_kernel == "mosaic" else None
+        return out.astype(q.dtype), kl, lse, lse_z, teacher
 
     def forward_window(k, v, index_k, segments, window):
         geo, tiling = forward_geo, config.forward
@@ -328,7 +336,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         share = by_slot(share.reshape(-1, geo.group, geo.head_dim), lists, valid, 0.0)
         out = share.sum(axis=3, dtype=jnp.float32).astype(q.dtype).reshape(q.shape)
         kl = by_slot(kl_part, lists, valid, 0.0).sum(axis=3) if with_student else None
-        return out, kl, lse, lse_z
+        return out, kl, lse, lse_z, None
 
     def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions):
         windows = _Windows(geo)
@@ -344,17 +352,18 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
             keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))
             index_keys = shifted(index_k.astype(q.dtype)) if with_student else None
-            out, kl, lse, lse_z = jax.lax.map(
+            out, kl, lse, lse_z, teacher = jax.lax.map(
                 lambda window: mosaic_window(keys, index_keys, segment_ids, window), xs
             )
         else:
-            out, kl, lse, lse_z = jax.lax.map(
+            out, kl, lse, lse_z, teacher = jax.lax.map(
                 lambda window: forward_window(k, v, index_k, segments, window), xs
             )
         out, kl = windows.join(out), kl if kl is None else windows.join(kl)
-        out, lse, lse_z = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
-                           for x in (out, lse, lse_z))  # fmt: skip
-        residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z)
+        out, lse, lse_z, teacher = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
+                                    for x in (out, lse, lse_z, teacher))  # fmt: skip
+        residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z,
+                     teacher)  # fmt: skip
         return (out, kl), residuals
 
     def selection_sums(parts, lists, valid):
@@ -365,7 +374,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     def triton_window(geo, k, v, index_k, segments, sums, window):
         """The Triton backward of a window; sums: (added, stored) `accumulators`."""
         tiling = config.backward
-        q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
+        q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z, _ = window
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         student = (_flat(index_q), _flat(index_k)) if with_student else None
         added, totals = sums
@@ -408,11 +417,15 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         """The Mosaic backward of a window; sums: dk, dv [B, S, K, Dh] (and d(index_k)
         [B, S, 1, Di]) fp32."""
         geo, tiling = backward_geo, config.mosaic_backward
-        q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z = window
+        q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z, teacher = window
         valid = blocks >= 0
+        if with_student and teacher is None:  # behind the Triton forward: no teacher was kept
+            chunk_walk = mosaic_forward.walk(geo, lists, q, segment_ids, offset)
+            _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, index_keys, index_q, lse,
+                                 lse_z)  # fmt: skip
         operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
-                        d_kl=d_kl, index_q=index_q, segment_ids=segment_ids,
-                        offset=offset)  # fmt: skip
+                        d_kl=d_kl, index_q=index_q, segment_ids=segment_ids, offset=offset,
+                        teacher=teacher)  # fmt: skip
         dq_e, *new, diq_e, dik = mosaic_backward.window_gradients(
             geo, tiling, lists, operands, keys, index_keys, **kernels
         )
@@ -422,7 +435,9 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         return sums, (dq, diq)
 
     def backward(residuals, cotangents):
-        q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z = residuals
+        q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z, teacher = (
+            residuals
+        )
         d_out, d_kl = cotangents
         windows = _Windows(geo)
         delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
@@ -431,7 +446,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
               windows.split(blocks, fill=-1), windows.split(positions), windows.offsets,
               windows.split(d_out), windows.split(delta),
               windows.split(d_kl.astype(jnp.float32)) if with_student else None, lse,
-              lse_z)  # fmt: skip
+              lse_z, teacher)  # fmt: skip
         if config.backward_kernel == "mosaic":
             shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
             keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))

@@ -70,13 +70,15 @@ def test_gradients_match_reference_and_triton(group, kv_heads):
     assert_gradients_equal(got, gradients(pallas.Config(), *args))
 
 
-@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
-def test_student_gradients_match_reference_and_triton(group, kv_heads):
-    """d(q, k, v, index_q, index_k) with the student, after the Mosaic forward (its LSE and
-    LSE_z residuals); the packed row alone, to keep the interpreter's time down."""
+@pytest.mark.parametrize("group, kv_heads, forward", [(4, 2, "mosaic"), (16, 1, "mosaic"),
+                                                     (16, 1, "triton")])  # fmt: skip
+def test_student_gradients_match_reference_and_triton(group, kv_heads, forward):
+    """d(q, k, v, index_q, index_k) with the student, after the Mosaic forward (its LSE, LSE_z
+    and teacher residuals) or the Triton one (no teacher kept: the backward runs the KL pass for
+    it); the packed row alone, to keep the interpreter's time down."""
     args = inputs(group, kv_heads, batch=1)
     index = student(kv_heads, args[0].shape[1], args[0].shape[0])
-    got = gradients(mosaic("mosaic"), *args, index=index)
+    got = gradients(mosaic(forward), *args, index=index)
     assert_gradients_equal(got, reference_gradients(*args, index=index))
     assert_gradients_equal(got, gradients(pallas.Config(), *args, index=index))
 
@@ -85,9 +87,9 @@ def test_student_gradients_match_reference_and_triton(group, kv_heads):
 def test_lowers_for_cuda_without_a_gpu(with_student):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints, wgmma operands) of the
     backward kernels at Dh = Di = 128, G = 16: the forward, then the gradients kernel and with a
-    student its own (the forward's KL pass feeds no gradient and is left out). The Triton
-    fallback for windows of too many segments lowers only with a GPU present: zeros of its
-    kernel's shapes stand in for it here."""
+    student the KL pass (its teacher feeds the student's gradients) and the student's kernel.
+    The Triton fallback for windows of too many segments lowers only with a GPU present: zeros
+    of its kernel's shapes stand in for it here."""
     config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic")
     triton = backward_kernel.backward_pass
 
@@ -106,7 +108,7 @@ def test_lowers_for_cuda_without_a_gpu(with_student):
     grad = jax.jit(jax.grad(loss, argnums=differentiated))
     with mock.patch.object(backward_kernel, "backward_pass", stand_in):
         text = grad.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == (3 if with_student else 2)
+    assert text.count("custom_call @mosaic_gpu") == (4 if with_student else 2)
 
 
 def test_unsupported_reason_names_the_backward_limits():
