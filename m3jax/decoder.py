@@ -124,7 +124,7 @@ class LayerStack(nnx.Module):
             y = sharding.constrain_activations(y, self.mesh)
             return y, (stats._replace(hidden=y) if output_hidden_states else stats)
 
-        return scan_layers(self.layers, x, step, self.remat)
+        return scan_layers(self.layers, x, step, self.remat, projection_dtype=x.dtype)
 
     def decode(
         self, x: jax.Array, inputs: AttentionInputs, cache: LayerCache

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.msa.reference import SAVED_BY_REMAT
@@ -52,13 +53,22 @@ def scan_layers(
     x: jax.Array,
     step: Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]],
     remat: str,
+    projection_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, Any]:
     """Runs `step(layer, x) -> (x, per-layer output)` over the stack; outputs stacked over layers.
 
     remat: "none" | "full" | "save_dots" | "save_attention" | "save_attention_dots" (what the
-    backward pass recomputes per layer).
+    backward pass recomputes per layer). projection_dtype: the dtype every layer casts its
+    `*_proj` weights to at use (the activations'; None: no cast here): they are cast once for
+    the whole stack before the scan, so the backward's recompute does not cast them again and
+    the scan stacks their gradients in that dtype (the values are the same: each layer's
+    gradient was rounded to it by the cast in the layer; benchmarks/RESULTS.md has its time).
     """
     graphdef, state = nnx.split(layers)
+    if projection_dtype is not None:
+        state = jax.tree_util.tree_map_with_path(
+            lambda path, w: w.astype(projection_dtype) if _is_projection(path) else w, state
+        )
 
     def body(x, layer_state):
         return step(nnx.merge(graphdef, layer_state), x)
@@ -66,3 +76,10 @@ def scan_layers(
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return jax.lax.scan(body, x, state)
+
+
+def _is_projection(path) -> bool:
+    """Whether a state leaf is a `*_proj` weight (attention, MLP and expert projections: the
+    matrices the layers multiply in the activations' dtype; the router and norms stay fp32)."""
+    names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
+    return bool(names) and str(names[-1]).endswith("_proj")
