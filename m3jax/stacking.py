@@ -62,7 +62,8 @@ def scan_layers(
     `*_proj` weights to at use (the activations'; None: no cast here): they are cast once for
     the whole stack before the scan, so the backward's recompute does not cast them again and
     the scan stacks their gradients in that dtype (the values are the same: each layer's
-    gradient was rounded to it by the cast in the layer; benchmarks/RESULTS.md has its time).
+    gradient was rounded to it by the cast in the layer): 8.7 ms of a bench-h200 step on an
+    H200 (benchmarks/RESULTS.md).
     """
     graphdef, state = nnx.split(layers)
     if projection_dtype is not None:

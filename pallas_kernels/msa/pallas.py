@@ -69,6 +69,10 @@ class Config:
     # Mosaic where `concrete` picks it
     backward_kernel: str = "auto"
     mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32)
+    # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
+    # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
+    # backward runs the KL pass again for it (long rows: 8.6 GB a layer at 512K tokens)
+    teacher_bytes: int = 1 << 30
 
     @property
     def uses_mosaic(self) -> bool:
@@ -269,6 +273,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     kernels = dict(interpret=interpret)
     geo = forward_geo
     mosaic = config.uses_mosaic
+    teacher_size = geo.batch * geo.seq * geo.num_kv_heads * geo.topk * geo.block_size * 4
+    keeps_teacher = config.backward_kernel == "mosaic" and teacher_size <= config.teacher_bytes
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
     # the Triton backward's chunks, for the windows the Mosaic backward can't take
     fallback_geo = dataclasses.replace(
@@ -313,7 +319,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             # each entry's KL share sits in its first row; a query's k shares add up
             first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
             kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
-            teacher = teacher if config.backward_kernel == "mosaic" else None
+            teacher = teacher if keeps_teacher else None
         return out.astype(q.dtype), kl, lse, lse_z, teacher
 
     def forward_window(k, v, index_k, segments, window):
@@ -419,7 +425,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         geo, tiling = backward_geo, config.mosaic_backward
         q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z, teacher = window
         valid = blocks >= 0
-        if with_student and teacher is None:  # behind the Triton forward: no teacher was kept
+        if with_student and teacher is None:  # behind the Triton forward, or too large to keep
             chunk_walk = mosaic_forward.walk(geo, lists, q, segment_ids, offset)
             _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, index_keys, index_q, lse,
                                  lse_z)  # fmt: skip

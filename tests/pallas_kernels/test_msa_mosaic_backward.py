@@ -9,6 +9,7 @@ Segments of two chunks, so long block lists go on in later segments (their dK, d
 XLA) and many chunks are a list's partial last one.
 """
 
+import dataclasses
 import functools
 from unittest import mock
 
@@ -211,3 +212,17 @@ def test_slot_layout_gives_each_segment_whole_slots_and_maps_entries_both_ways()
     back = np.asarray(slots.entry_of_row)
     np.testing.assert_array_equal(back[expected], np.arange(137))
     assert (np.delete(back, expected) == entries).all()
+
+
+@pytest.mark.parametrize("teacher_bytes", [0, 1 << 30])
+def test_a_teacher_over_its_budget_is_left_to_the_backward_s_kl_pass(teacher_bytes):
+    """The KL pass' teacher is kept for the backward within `Config.teacher_bytes` (one KL pass,
+    in the forward), else the backward runs the KL pass again (two); the gradients are the
+    reference's either way."""
+    args = inputs(16, 1, batch=1)
+    index = student(1, args[0].shape[1], args[0].shape[0])
+    config = dataclasses.replace(mosaic("mosaic"), teacher_bytes=teacher_bytes)
+    with mock.patch.object(mosaic_forward, "kl_pass", wraps=mosaic_forward.kl_pass) as kl_pass:
+        got = gradients(config, *args, index=index)
+    assert kl_pass.call_count == (2 if teacher_bytes == 0 else 1)
+    assert_gradients_equal(got, reference_gradients(*args, index=index))
