@@ -23,9 +23,11 @@ over the same segments and chunks with the global LSEs per row (`row_values` of 
 lse_z): S again, P = exp(S - LSE) per head, the teacher t = the group's mean as one wgmma A·P
 with a constant averaging matrix A [R, R] (a reduction across a tile's rows would cross threads
 and warps; P goes in two 16-bit parts for ~16-bit precision), z again, and per row Σ t·(log t -
-(z·Di^-½ - LSE_z)) where t > 0, stored per entry; pallas.py adds a query's k entries. That is
-the Triton forward pass minus its P·V (the Triton path pays its two Q·Kᵀ as well). The index
-operands enter the wgmma in q's dtype.
+(z·Di^-½ - LSE_z)) where t > 0, stored per entry; pallas.py adds a query's k entries. The
+teacher itself is stored too, one fp32 row per entry ([E, block], from an unswizzled staging
+buffer a row at a time): the student's gradients start from it (mosaic_student.py) instead of
+computing P again. That is the Triton forward pass minus its P·V (the Triton path pays its two
+Q·Kᵀ as well). The index operands enter the wgmma in q's dtype.
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
 entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
@@ -50,7 +52,8 @@ warpgroup, no warp specialisation yet).
 On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, top-16, S = 32K), the attention forward
 without a student took 14.3 ms against the Triton path's 28.4 (kernel 8.8 ms against 22.9 for
 the LSE and forward passes); at 128K, 58 ms against 119 (benchmarks/bench_msa.py
---forward-kernels). The student's kernels are checked on CPU only (interpreter, CUDA lowering).
+--forward-kernels). With the student, in bench-h200's training step: the forward 33.9 ms and the
+KL pass 35.6 ms of a 632 ms step (benchmarks/RESULTS.md, 2026-12-03).
 
 Outputs are o / l in q's dtype (normalised per block, so within V's range: bf16 keeps the
 kernel's store and the combine's read at half the bytes of fp32, and the Triton path's per-entry

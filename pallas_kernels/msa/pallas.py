@@ -7,7 +7,9 @@
   by one sort (block_lists.py), forward and backward, with the indexer's KL and its gradients into
   the index projections; a custom VJP ties them together. `Config.forward_kernel="mosaic"` runs
   the forward on Mosaic GPU kernels instead (mosaic_forward.py): one pass without a student;
-  with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL.
+  with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL
+  and the teacher, which the Mosaic backward's student gradients read (kept within
+  `Config.teacher_bytes`, else that backward runs the KL pass again).
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
   multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
   32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel`
