@@ -1,4 +1,4 @@
-"""Training-step throughput of a config and its variants on one device, in one process.
+"""Training-step throughput of a config and its variants, on one device or a mesh of several.
 
     python -m benchmarks.bench_train --config configs/small-gpu.yaml \
         --variants "" "model.attention_impl=xla" "model.layer_types=[full*12]"
@@ -6,13 +6,22 @@
 Each variant is the config with `section.key=value` overrides (space-separated inside one
 argument); `kernels.<field>=value` tokens pin a field of the MSA kernels' `pallas.Config` for that
 variant instead (e.g. `kernels.backward_kernel=triton`; the defaults otherwise). A variant's step
-is `pretrain.train_step.make_train_step` jitted, on synthetic packed rows (random tokens;
-documents of random lengths, so rows hold several), in the MSA sparse phase with the indexer loss,
-as `m3-train` runs after the warm-up. Reports the median step time over `--steps` steps after two
-warm-up steps, tokens/s, MFU (model FLOPs as m3-train counts them, pretrain/mfu.py, against 989
-TFLOP/s and against the bf16 matmul rate measured in the same run), the device's peak memory and
-the ratio to the first variant measured in the same run; `--profile DIR` adds the first variant's
-device time by kernel (benchmarks/trace_summary.py). The last stdout line is JSON.
+is m3-train's (`pretrain.session.TrainingSession`: the state sharded over the `mesh.*` of the
+config, over every device the process sees), on synthetic packed rows (random tokens; documents
+of random lengths, so rows hold several), in the MSA sparse phase with the indexer loss, as
+`m3-train` runs after the warm-up. Reports the median step time over `--steps` steps after two
+warm-up steps, tokens/s (all devices, and per device), MFU per device (model FLOPs as m3-train
+counts them, pretrain/mfu.py, against 989 TFLOP/s and against the bf16 matmul rate measured in
+the same run), the devices' largest peak memory and the ratio of per-device tokens/s to the first
+variant's in the same run; `--profile DIR` adds the first variant's device time by kernel and its
+communication (NCCL kernels) per step (benchmarks/trace_summary.py). The last stdout line is JSON.
+
+Scaling: a `devices=N` token runs that variant in a process that sees N devices (the first N
+GPUs, or N host devices on a CPU), e.g. at fixed rows per GPU on a machine of two:
+
+    python -m benchmarks.bench_train --config configs/bench-h200.yaml \
+        --variants "devices=1" "devices=2 mesh.data=2 data.batch_size=2" \
+        "devices=2 mesh.expert=2 data.batch_size=2"
 
 The device's peak-memory counter only grows within a process, so in one process a variant's peak
 is the largest so far. `--isolate` runs each variant in a process of its own (this module, one
@@ -25,8 +34,12 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
+import pathlib
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from unittest import mock
 
@@ -40,10 +53,9 @@ from m3jax import xla_flags
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pallas_kernels.msa import pallas as msa_pallas
+from pretrain.checkpointing import Checkpoints
 from pretrain.config import load_run_config
-from pretrain.mfu import ModelFlops
-from pretrain.optimizer import learning_rate, make_optimizer
-from pretrain.train_step import init_state, make_train_step
+from pretrain.session import TrainingSession
 
 TRAIN = ForwardMode(indexer_loss=True)
 
@@ -75,6 +87,7 @@ def synthetic_batch(
 
 
 KERNELS = "kernels."
+DEVICES = "devices="  # a variant's device count: its own process sees that many (`device_env`)
 
 
 def pinned_kernels(overrides: list[str]) -> contextlib.AbstractContextManager:
@@ -107,45 +120,48 @@ def time_variant(
     document_tokens: int = 1500,
 ) -> dict:
     kernels = [o for o in overrides if o.startswith(KERNELS)]
-    overrides = [o for o in overrides if not o.startswith(KERNELS)]
+    overrides = [o for o in overrides if not o.startswith((KERNELS, DEVICES))]
     with pinned_kernels(kernels):
         return _time_variant(config_path, overrides, steps, trace_dir, document_tokens)
 
 
 def _time_variant(config_path, overrides, steps, trace_dir, document_tokens) -> dict:
     run = load_run_config(config_path, overrides)
-    model = functional(run.model)
-    optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)
-    step = jax.jit(
-        make_train_step(model, optimizer, learning_rate(run.optimizer, run.train.steps), run),
-        static_argnums=2,
-        donate_argnums=0,
-    )
-    state = init_state(model, optimizer, seed=0)
-    batch = synthetic_batch(run.data.batch_size, run.data.seq_len, run.model.vocab_size,
-                            mean_document=document_tokens)  # fmt: skip
-    times, losses = [], []
-    for i in range(steps + 2):
-        start = time.perf_counter()
-        state, metrics = step(state, batch, TRAIN)
-        losses.append(float(jax.block_until_ready(metrics["loss"])))
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    if trace_dir:  # where the device time of two more steps goes, kernel by kernel
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(2):
-                state, metrics = step(state, batch, TRAIN)
-                jax.block_until_ready(metrics["loss"])
-        print(trace_summary.report(trace_summary.summarize(trace_dir), steps=2), flush=True)
-    memory = jax.devices()[0].memory_stats() or {}
+    with tempfile.TemporaryDirectory() as scratch:  # the session's checkpoints: none are saved
+        checkpoints = Checkpoints(pathlib.Path(scratch), run.checkpoint)
+        session = TrainingSession(functional(run.model), run, checkpoints)
+        session.initialize()
+        host_batch = synthetic_batch(run.data.batch_size, run.data.seq_len, run.model.vocab_size,
+                                     mean_document=document_tokens)  # fmt: skip
+        host_batch = jax.tree.map(np.asarray, host_batch)
+        batch = session.put_batch(host_batch)
+        times, losses = [], []
+        for i in range(steps + 2):
+            start = time.perf_counter()
+            metrics = session.step_on_devices(batch, TRAIN)
+            losses.append(float(jax.block_until_ready(metrics["loss"])))
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        communication = None
+        if trace_dir:  # where the device time of two more steps goes, kernel by kernel
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                for _ in range(2):
+                    jax.block_until_ready(session.step_on_devices(batch, TRAIN)["loss"])
+            summary = trace_summary.summarize(trace_dir)
+            print(trace_summary.report(summary, steps=2), flush=True)
+            communication = [p["communication_busy"] / 2e3 for p in summary.values()]
+        flops_per_token = session.model_flops.per_token(host_batch, TRAIN)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()]
     seconds = float(np.median(times))
     tokens = run.data.batch_size * run.data.seq_len
-    flops = ModelFlops(model).per_token(jax.tree.map(np.asarray, batch), TRAIN) * tokens / seconds
-    return {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tokens": tokens,
-            "model_tflops_per_s": flops / 1e12,
-            "first_loss": losses[0], "last_loss": losses[-1],
-            "finite": bool(np.isfinite(losses).all()),
-            "peak_gb": memory.get("peak_bytes_in_use", 0) / 1e9}  # fmt: skip
+    row = {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tokens": tokens,
+           "devices": jax.device_count(), "mesh": dict(session.mesh.shape),
+           "model_tflops_per_s": flops_per_token * tokens / seconds / 1e12,
+           "first_loss": losses[0], "last_loss": losses[-1],
+           "finite": bool(np.isfinite(losses).all()), "peak_gb": max(peaks) / 1e9}  # fmt: skip
+    if communication:  # NCCL kernels' busy time a step, on the busiest device
+        row["communication_ms"] = max(communication)
+    return row
 
 
 PEAK_TFLOPS = 989.0  # H100 SXM / H200 bf16 dense (pretrain/mfu.py PEAKS)
@@ -179,32 +195,59 @@ def main() -> None:
                              "sequences after the first that does not fit)")
     parser.add_argument("--isolate", action="store_true",
                         help="each variant in a process of its own (its own peak memory)")
+    # set by isolated_variant: time the variant here, whatever its devices= or --isolate
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     rows = []
     for index, variant in enumerate(args.variants):
-        measure = isolated_variant if args.isolate else variant_row
+        isolate = (args.isolate or variant_devices(variant)) and not args.child
+        measure = isolated_variant if isolate else variant_row
         row = measure(args, variant, profile=args.profile if index == 0 else None)
         if rows and "tokens_per_s" in row and "tokens_per_s" in rows[0]:
-            row["vs_first"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+            row["vs_first"] = per_device(row) / per_device(rows[0])
         rows.append(row)
         print(json.dumps(row), flush=True)
         if "error" in row and args.stop_at_error:
             break
     print(f"\n{rows[0].get('device', '?')}, jax {jax.__version__}, {args.config}")
-    print(
-        "| variant | step ms | tokens/s | MFU (989) | of matmul rate | peak GB | vs first | loss |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print("| variant | devices | step ms | tokens/s | per device | MFU (989) | of matmul rate | "
+          "peak GB | communication | vs first (per device) | loss |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['variant']} | failed: {row['error'][:80]} | | | | | | |")
+            print(f"| {row['variant']} | | failed: {row['error'][:80]} | | | | | | | | |")
             continue
+        communication = row.get("communication_ms")
+        share = "" if communication is None else f"{communication / row['step_ms']:.1%}"
         print(
-            f"| {row['variant']} | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | "
-            f"{row['mfu_989']:.1%} | {row['of_matmul_rate']:.1%} | {row['peak_gb']:.1f} | "
+            f"| {row['variant']} | {row.get('devices', 1)} | {row['step_ms']:.1f} | "
+            f"{row['tokens_per_s']:,.0f} | {per_device(row):,.0f} | {row['mfu_989']:.1%} | "
+            f"{row['of_matmul_rate']:.1%} | {row['peak_gb']:.1f} | {share} | "
             f"{row.get('vs_first', 1.0):.2f}× | {row['first_loss']:.3f} → {row['last_loss']:.3f} |"
         )
     print(json.dumps(rows))
+
+
+def variant_devices(variant: str) -> int | None:
+    """The device count a variant's `devices=N` token asks for (None: the process's own)."""
+    counts = [int(t.removeprefix(DEVICES)) for t in variant.split() if t.startswith(DEVICES)]
+    return counts[-1] if counts else None
+
+
+def per_device(row: dict) -> float:
+    return row["tokens_per_s"] / row.get("devices", 1)
+
+
+def device_env(count: int | None) -> dict:
+    """The environment of a child process that sees `count` devices: the first `count` GPUs,
+    or `count` host devices where there are none (CPU tests); this one's when None."""
+    env = dict(os.environ)
+    if count:
+        flags = env.get("XLA_FLAGS", "")
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(count))
+    return env
 
 
 @functools.cache
@@ -224,18 +267,21 @@ def variant_row(args: argparse.Namespace, variant: str, profile: str | None) -> 
     except Exception as e:  # e.g. out of memory: record it, keep going
         return {"variant": name, "error": str(e).splitlines()[0][:300]}
     row["device"] = jax.devices()[0].device_kind
-    row["mfu_989"] = row["model_tflops_per_s"] / PEAK_TFLOPS
-    row["of_matmul_rate"] = row["model_tflops_per_s"] / matmul
+    row["mfu_989"] = row["model_tflops_per_s"] / (PEAK_TFLOPS * row["devices"])
+    row["of_matmul_rate"] = row["model_tflops_per_s"] / (matmul * row["devices"])
     return row
 
 
 def isolated_variant(args: argparse.Namespace, variant: str, profile: str | None) -> dict:
-    """One variant timed by a child process of this module: its row (the child's last stdout
-    line), or the child's last words when it died without one."""
+    """One variant timed by a child process of this module (seeing the devices its `devices=N`
+    asks for): its row (the child's last stdout line), or the child's last words when it died
+    without one."""
     command = [sys.executable, "-m", "benchmarks.bench_train", "--config", args.config,
                "--steps", str(args.steps), "--document-tokens", str(args.document_tokens),
-               "--variants", variant] + (["--profile", profile] if profile else [])  # fmt: skip
-    child = subprocess.run(command, capture_output=True, text=True)
+               "--child", "--variants", variant]  # fmt: skip
+    command += ["--profile", profile] if profile else []
+    env = device_env(variant_devices(variant))
+    child = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = child.stdout.strip().splitlines()
     # its matmul rate and profile (its row comes back as this process's)
     print("\n".join(line for line in lines if line.startswith(('{"bf16', " ", "/"))), flush=True)

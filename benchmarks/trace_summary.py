@@ -64,7 +64,7 @@ def overlap(start: float, end: float, disjoint: list[tuple[float, float]]) -> fl
 
 def summarize(trace_dir: str, device_prefix: str = "/device:GPU") -> dict[str, dict]:
     """Per device (process name containing `device_prefix`): kernel time in µs by name,
-    the summed and the busy (interval-union) time."""
+    the summed and the busy (interval-union) time, and the communication kernels' busy time."""
     events, processes = load_events(trace_dir)
     by_device = collections.defaultdict(list)
     for event in events:
@@ -87,7 +87,8 @@ def summarize(trace_dir: str, device_prefix: str = "/device:GPU") -> dict[str, d
                 beside_communication[name] += overlap(start, end, communication)
         busy = busy_time([(a, b) for _, a, b, _ in spans])
         out[device] = dict(kernels=kernels, summed=sum(kernels.values()), busy=busy,
-                           beside_communication=beside_communication)  # fmt: skip
+                           beside_communication=beside_communication,
+                           communication_busy=busy_time(communication))  # fmt: skip
     return out
 
 

@@ -103,3 +103,46 @@ def test_isolated_variants_run_one_child_each_and_report_a_dead_childs_last_word
     assert ["--profile" in c for c in commands] == [True, False, False]
     assert rows[1]["vs_first"] == 2.0 and "error" not in rows[1]
     assert rows[2]["error"] == "child exited -9: Killed by the OOM"
+
+
+def test_a_variant_of_n_devices_runs_in_a_child_that_sees_n(monkeypatch, capsys):
+    """`devices=N`: the variant's own process sees N devices (the first N GPUs, or N host devices:
+    the count replaces any already in XLA_FLAGS); vs first compares tokens/s per device."""
+    seen = []
+
+    def fake_run(command, env, **_):
+        seen.append((command, env))
+        devices = bench_train.variant_devices(command[command.index("--variants") + 1])
+        row = {"variant": "v", "tokens_per_s": 1000.0 * devices * (0.9 if devices > 1 else 1),
+               "devices": devices, "step_ms": 10.0, "mfu_989": 0.1, "of_matmul_rate": 0.2,
+               "peak_gb": 1.0, "first_loss": 2.0, "last_loss": 1.0}  # fmt: skip
+        return subprocess.CompletedProcess(command, 0, f"{json.dumps([row])}\n", "")
+
+    monkeypatch.setattr(bench_train.subprocess, "run", fake_run)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_other=1")
+    argv = ["bench_train", "--config", "c.yaml",
+            "--variants", "devices=1", "devices=2 mesh.data=2 data.batch_size=2"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_train.main()
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    envs = [env for _, env in seen]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["0", "0,1"]
+    flags = envs[1]["XLA_FLAGS"].split()
+    assert "--xla_other=1" in flags
+    assert [f for f in flags if "device_count" in f] == ["--xla_force_host_platform_device_count=2"]
+    assert all("--child" in command for command, _ in seen)
+    assert rows[1]["vs_first"] == pytest.approx(0.9)
+
+
+def test_a_variant_trains_on_a_mesh_of_the_devices_it_sees(tmp_path):
+    """In-process (4 host devices under the tests): m3-train's session, state sharded over
+    data × expert, finite losses; per-device figures over all four."""
+    import yaml
+    from tiny import TINY
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    row = bench_train.time_variant(str(config), ["mesh.data=2", "mesh.expert=2", "devices=4"],
+                                   steps=2, document_tokens=12)  # fmt: skip
+    assert row["devices"] == 4 and row["mesh"]["data"] == 2 and row["mesh"]["expert"] == 2
+    assert row["finite"] and row["tokens"] == 4 * 32 and row["step_ms"] > 0
