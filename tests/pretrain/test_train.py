@@ -209,3 +209,23 @@ def test_train_with_expert_parallel_mesh_gives_the_same_losses(tmp_path, capsys)
     assert [r["moe_exchange_worst_case"] for r in padded] == [1.0, 1.0, 1.0]
     assert all(0.0 <= r["moe_exchange_worst_case"] <= 1.0 for r in expert_parallel)  # padded
     assert [r["moe_exchange_worst_case"] for r in ragged] == [0.0, 0.0, 0.0]  # no blocks
+
+
+@pytest.mark.slow
+def test_a_run_killed_on_one_mesh_resumes_on_another_with_the_same_losses(tmp_path):
+    """Experts over 2 devices × the sequence over 2 (context parallelism), killed after the
+    step-3 checkpoint, resumed on plain data parallelism over 4: the checkpoint is restored into
+    the new mesh's shardings and steps 4-6 lose what the uninterrupted run lost."""
+    config = write_config(tmp_path, tiny_run())
+    mixed = ("mesh.data=1", "mesh.expert=2", "mesh.seq=2")
+
+    def run(name, *overrides):
+        assert main(["--config", str(config), "--run-dir", str(tmp_path / name), *overrides]) == 0
+        return [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+
+    straight = run("straight", *mixed)
+    run("moved", *mixed)
+    shutil.rmtree(tmp_path / "moved" / "checkpoints" / "6")
+    moved = run("moved", "mesh.data=4")
+    assert len(moved) == len(straight) == 6
+    np.testing.assert_allclose(moved, straight, rtol=2e-5)
