@@ -382,22 +382,23 @@ def kl_pass(
     student: tuple[jax.Array, jax.Array],
     lses: jax.Array,
     *,
+    with_teacher: bool = True,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | None]:
     """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
-    an entry) and the teacher over the block's keys [E, block] fp32 (the group's mean
-    probability under the global LSEs: the student's gradients start from it,
-    mosaic_student.py), over the same segments and chunks as `forward`, given the global LSEs
-    per row `lses` (`row_values` of lse and lse_z); the other operands as `forward`'s."""
+    an entry) and, `with_teacher`, the teacher over the block's keys [E, block] fp32 (the group's
+    mean probability under the global LSEs: the student's gradients start from it,
+    mosaic_student.py; else None), over the same segments and chunks as `forward`, given the
+    global LSEs per row `lses` (`row_values` of lse and lse_z); the other operands as
+    `forward`'s."""
     operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, iq=student[0],
                     ik=student[1], lses=lses,
                     average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
-    outputs = dict(
-        kl=jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32),
-        teacher=jax.ShapeDtypeStruct((geo.entries, geo.block_size), jnp.float32),
-    )
+    outputs = dict(kl=jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32))
+    if with_teacher:
+        outputs["teacher"] = jax.ShapeDtypeStruct((geo.entries, geo.block_size), jnp.float32)
     results = _launch(geo, tiling, operands, outputs, interpret)
-    return results["kl"], results["teacher"]
+    return results["kl"], results.get("teacher")
 
 
 def averaging(geo: chunks.Geometry, tiling: Tiling, dtype) -> jax.Array:
@@ -416,7 +417,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     (iq, ik) add the student's logits z = index_q·index_kᵀ (the forward's output lse_z)."""
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, operands["q"].dtype
-    student, kl = "iq" in operands, "lses" in operands
+    student, kl, keeps_teacher = "iq" in operands, "lses" in operands, "teacher" in outputs
     index_scale = operands["iq"].shape[1] ** -0.5 if student else None
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     block_operands = [name for name in ("k", "v", "kseg", "ik") if name in operands]
@@ -475,7 +476,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                     results.update(_attention_chunk(smem, logits, seen))
                 store_chunk(geo, smem, ref, results, (first + chunk * queries) * group,
                             count - chunk * queries)  # fmt: skip
-                if kl:  # an entry's rows hold the same teacher: its first row is stored
+                if keeps_teacher:  # an entry's rows hold one teacher: its first row is stored
                     store_chunk(geo, smem, ref, {"teacher": teacher}, first + chunk * queries,
                                 count - chunk * queries, stored_rows=1)  # fmt: skip
                 return carry
@@ -498,10 +499,11 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         return {"o": out.astype(dtype), "lse": block_lse(top, total)}
 
     def _kl_chunk(smem, logits, visible, z, lse, lse_z):
-        """The KL pass' per-row KL share of a chunk and its teacher [R, block]: P = exp(S·Dh^-½ -
-        LSE) with the global LSE, the teacher A·P on wgmma, the student's log-probabilities. P goes through shared memory
-        as a 16-bit high part and the rest (P_high + P_low holds P to ~16 bits, where P_high
-        alone, in bf16, put the KL ~1e-3 off the fp32 Triton kernels'); A is exact."""
+        """The KL pass' per-row KL share of a chunk and its teacher [R, block]: P =
+        exp(S·Dh^-½ - LSE) with the global LSE, the teacher A·P on wgmma, the student's
+        log-probabilities. P goes through shared memory as a 16-bit high part and the rest
+        (P_high + P_low holds P to ~16 bits, where P_high alone, in bf16, put the KL ~1e-3 off
+        the fp32 Triton kernels'); A is exact."""
         probs = normalised(geo.head_dim**-0.5, logits, lse, visible)
         high = probs.astype(dtype)  # the last chunk's teacher has read both parts
         smem["p"][...] = high

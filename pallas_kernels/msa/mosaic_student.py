@@ -131,8 +131,8 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
     d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for `mosaic_backward.sum_partials`).
 
     tiling: the gradients kernel's (its programs); operands: its walk operands (the segment
-    table, count and kseg are read); window: as `mosaic_backward.window_gradients`', with the KL pass' `teacher`;
-    index_keys: `shifted_keys` of index_k in q's dtype.
+    table, count and kseg are read); window: as `mosaic_backward.window_gradients`', with the
+    KL pass' `teacher`; index_keys: `shifted_keys` of index_k in q's dtype.
     """
     slots = slot_layout(operands["table"], lists.num_segments, geo.entries, bound)
     index_q, data, values = slot_operands(geo, lists, slots, window)

@@ -293,12 +293,12 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         values = block_lists.by_selection(per_entry, lists, selection_shape)
         return jnp.where(valid.reshape(*selection_shape, *[1] * (values.ndim - 4)), values, fill)
 
-    def kl_pass(geo, tiling, lists, chunk_walk, keys, index_keys, index_q, lse, lse_z):
-        """The Mosaic KL pass of a window -> (per-entry KL shares, teacher per sorted entry)."""
-        student = (mosaic_forward.index_rows(index_q, keys[0].dtype), index_keys)
+    def kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z, with_teacher):
+        """The Mosaic KL pass of a window -> (per-entry KL shares, teacher per sorted entry or
+        None); student: (`index_rows` of index_q, index keys)."""
         lses = mosaic_forward.row_values(geo, lists, [lse], [lse_z])
         return mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student, lses,
-                                      **kernels)  # fmt: skip
+                                      with_teacher=with_teacher, **kernels)  # fmt: skip
 
     def mosaic_window(keys, index_keys, segment_ids, window):
         """The Mosaic forward of a window: presort, kernel, combine; with a student then the KL
@@ -316,12 +316,11 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         out, lse, lse_z = mosaic_forward.combine(geo, lists, valid, o, lse_e, lse_z_e)
         kl = teacher = None
         if with_student:
-            kl_e, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, index_keys, index_q,
-                                    lse, lse_z)  # fmt: skip
+            kl_e, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z,
+                                    keeps_teacher)  # fmt: skip
             # each entry's KL share sits in its first row; a query's k shares add up
             first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
             kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
-            teacher = teacher if keeps_teacher else None
         return out.astype(q.dtype), kl, lse, lse_z, teacher
 
     def forward_window(k, v, index_k, segments, window):
@@ -429,8 +428,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         valid = blocks >= 0
         if with_student and teacher is None:  # behind the Triton forward, or too large to keep
             chunk_walk = mosaic_forward.walk(geo, lists, q, segment_ids, offset)
-            _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, index_keys, index_q, lse,
-                                 lse_z)  # fmt: skip
+            student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
+            _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z, True)
         operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
                         d_kl=d_kl, index_q=index_q, segment_ids=segment_ids, offset=offset,
                         teacher=teacher)  # fmt: skip
