@@ -39,7 +39,11 @@ def test_checkpoint_saves_do_not_grow_resident_memory(tmp_path):
             state = jax.block_until_ready(step(state))
         after.append(resident_bytes())
     checkpoints.close()
-    # before the fix (no trim): +0.36, +0.63, +1.01, +1.15, +1.46 GB (with zstd); after: <= 0
-    allowed = before + ARRAYS * ARRAY_BYTES // 4
+    # before the fix (no trim): +0.36, +0.63, +1.01, +1.15, +1.46 GB (with zstd), a growth of about
+    # one state a save; with it the readings scatter around zero (-0.10 to +0.15 GB seen on 2 cores
+    # as the step, the compiler and pytest allocate beside the saves), so the median is held to
+    # half a state: a leak of a quarter state a save still fails it
+    allowed = before + ARRAYS * ARRAY_BYTES // 2
     grown = [f"{(a - before) / 1e9:+.2f}" for a in after]
-    assert max(after) <= allowed, f"resident memory after each save vs before (GB): {grown}"
+    middle = sorted(after)[SAVES // 2]
+    assert middle <= allowed, f"resident memory after each save vs before (GB): {grown}"
