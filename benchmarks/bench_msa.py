@@ -23,6 +23,11 @@ student followed by its KL pass), each first checked against the XLA path (outpu
 gradients of q, k, v and both index projections through the shared backward, which reads the
 forward's LSE and LSE_z).
 
+Then the kernels with context parallelism's query slots (`compare_query_runs`): each half of an
+8192-token row as two runs of consecutive slots, a later one first, against the whole row's
+call at those rows (selection, output, KL, dq, d(index_q)) and the halves' key-side gradients
+added up against the whole row's (dk, dv, d(index_k)), all compiled for the GPU.
+
 `--backward-kernels` adds the layer's forward+backward once per `Config.backward_kernel` (the
 Triton backward; the Mosaic GPU one), each with the Mosaic forward and the student (variants
 `pallas[bwd=...] fwd+bwd`), each first checked against the XLA path as the default tiling is
@@ -290,6 +295,53 @@ def compare(expected_module, seq: int, dtype, documents: int, config) -> dict:
     return result
 
 
+def compare_query_runs(seq: int, config) -> dict:
+    """The kernels on each half of a row given as query slots (runs of seq / 4: a context-parallel
+    device's two chunks at mesh seq = 2) vs the whole row's kernel call: relative errors per
+    query (selection, out, KL, dq, d(index_q)) and of the halves' key-side sums (dk, dv,
+    d(index_k))."""
+    x = make_inputs(seq, seed=seq + 3, documents=2)
+    chunk = seq // 4
+    halves = [np.stack([np.arange(2 * chunk, 3 * chunk), np.arange(0, chunk)]),
+              np.stack([np.arange(chunk, 2 * chunk), np.arange(3 * chunk, 4 * chunk)])]  # fmt: skip
+    weights = jax.random.normal(jax.random.key(2), x["q"].shape, jnp.float32)
+
+    @jax.jit
+    def run(q, index_q, k, v, index_k, rows, runs):
+        def loss(q, index_q, k, v, index_k):
+            blocks = pallas.top_blocks(index_q, index_k, x["segment_ids"], x["positions"], **MSA,
+                                       query_slots=runs, config=config)  # fmt: skip
+            out, kl = pallas.sparse_attention(
+                q, k, v, blocks, x["segment_ids"], x["positions"], block_size=BLOCK,
+                student=(index_q, index_k), query_slots=runs, config=config,
+            )  # fmt: skip
+            value = (out.astype(jnp.float32) * weights[:, rows]).sum() + kl.sum()
+            return value, (blocks, out, kl)
+
+        return jax.grad(loss, range(5), has_aux=True)(q, index_q, k, v, index_k)
+
+    def on(runs):
+        rows = jnp.asarray(runs.reshape(-1))
+        poison_memory()
+        return run(x["q"][:, rows], x["index_q"][:, rows], x["k"], x["v"], x["index_k"], rows,
+                   jnp.asarray(runs, jnp.int32))  # fmt: skip
+
+    whole = on(np.arange(seq)[None])  # (grads, (blocks, out, kl))
+    parts = [on(runs) for runs in halves]
+    # per query: (0 grads | 1 values, which) against the whole row's at the half's rows
+    per_query = {"out": (1, 1), "kl": (1, 2), "dq": (0, 0), "d_index_q": (0, 1)}
+    result = {"seq": seq, "query_runs": 2, "run_length": chunk}
+    result["selection_agree"] = min(same_sets(part[1][0], whole[1][0][:, runs.reshape(-1)])
+                                    for runs, part in zip(halves, parts))  # fmt: skip
+    for name, (kind, i) in per_query.items():
+        result[name] = max(relative(part[kind][i], whole[kind][i][:, runs.reshape(-1)])
+                           for runs, part in zip(halves, parts))  # fmt: skip
+    for name, i in (("dk", 2), ("dv", 3), ("d_index_k", 4)):  # the halves add up
+        summed = parts[0][0][i].astype(jnp.float32) + parts[1][0][i].astype(jnp.float32)
+        result[name] = relative(summed, whole[0][i])
+    return result
+
+
 def parse_tiling(text: str) -> pallas.Config:
     """'forward.rows=64,backward.num_warps=8,selection.rows=64' -> a kernel Config."""
     config = pallas.Config()
@@ -351,6 +403,14 @@ def main() -> None:
                     check = {"tiling": text, "seq": seq, "error": str(e).splitlines()[0][:300]}
                 checks.append(check)
                 print("check:", json.dumps(check), flush=True)
+    if not args.skip_check and set(phases) - set(ATTENTION_PHASES):
+        try:
+            check = {"variant": "query runs",
+                     **compare_query_runs(8192, next(iter(configs.values())))}  # fmt: skip
+        except Exception as e:  # a kernel that does not compile: report, keep going
+            check = {"variant": "query runs", "error": str(e).splitlines()[0][:300]}
+        checks.append(check)
+        print("check:", json.dumps(check), flush=True)
     for name, config in backward_configs(args.backward_kernels).items():
         if args.skip_check:
             break

@@ -12,8 +12,9 @@ one field:
   (pallas_kernels/attention/splash.py);
 - "auto" (default): "pallas" on GPUs and TPUs where the kernels apply, else "xla".
 Under context parallelism (mesh seq > 1, m3jax/context_parallel.py) a device's queries are two
-chunks of the row at given slots (`query_slots`), which only the reference and the XLA path take:
-"pallas" and "auto" run the XLA path then, saying so once (`CONTEXT_PARALLEL_FALLBACK`).
+chunks of the row at given slots (`query_slots`, two runs of consecutive slots). The reference,
+the XLA path and MSA's GPU kernels take them; MSA's TPU kernels, cuDNN and splash do not, so
+"pallas" and "auto" run the XLA path for those, saying so once (`CONTEXT_PARALLEL_FALLBACK`).
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
 head dim.
@@ -58,8 +59,8 @@ def msa_backend(
     platform = jax.default_backend()
     if impl == "auto" and platform not in ("gpu", "tpu"):
         return msa_xla
-    if context_parallel:
-        _say_fallback("MSA kernels")
+    if context_parallel and platform == "tpu":
+        _say_fallback("MSA TPU kernels")
         return msa_xla
     kernels = msa_tpu if platform == "tpu" else msa_pallas
     reason = kernels.unsupported_reason(q, k, index_q, block_size=msa.block_size)

@@ -111,7 +111,8 @@ def attention(
     All arrays are [B, S, ...] in the zig-zag layout (`run_balanced`). queries: kept local, heads
     at dim 2 (q, index_q); head_keys: all-gathered, heads at dim 2 (k, v); token_keys: all-gathered,
     no head dim (index_k, segment_ids, positions). fn sees the gathered ones in natural order,
-    [B, T = S, ...], and its queries' slots in that row, query_slots [S / N] int32.
+    [B, T = S, ...], and its queries' slots in that row, query_slots [2, S / 2N] int32 (two runs
+    of consecutive slots: the form the MSA GPU kernels take, pallas_kernels/msa/pallas.py).
     """
     parts = num_parts(mesh)
     tokens = _token_spec(mesh, queries[0].shape)
@@ -127,7 +128,9 @@ def attention(
         ]
         return fn(*queries, *gathered, _query_slots(queries[0].shape[1], parts))
 
-    mapped = jax.shard_map(on_device, mesh=mesh, in_specs=(heads, heads, tokens), out_specs=heads)
+    # check_vma off: Pallas kernels' outputs carry no varying type (pallas_kernels/shard_map.py)
+    mapped = jax.shard_map(on_device, mesh=mesh, in_specs=(heads, heads, tokens), out_specs=heads,
+                           check_vma=False)  # fmt: skip
     return mapped(queries, head_keys, token_keys)
 
 
@@ -175,8 +178,9 @@ def _chunks_in(x: jax.Array, order: np.ndarray) -> jax.Array:
 
 
 def _query_slots(local_tokens: int, parts: int) -> jax.Array:
-    """[S / N] int32: the slots in the natural row of this device's tokens (chunks i, 2N-1-i)."""
+    """[2, S / 2N] int32: the slots in the natural row of this device's tokens, chunk i then
+    chunk 2N-1-i."""
     device = jax.lax.axis_index(AXIS)
     chunk = local_tokens // 2
     starts = jnp.stack([device, 2 * parts - 1 - device]) * chunk
-    return (starts[:, None] + jnp.arange(chunk)).reshape(-1).astype(jnp.int32)
+    return (starts[:, None] + jnp.arange(chunk)).astype(jnp.int32)

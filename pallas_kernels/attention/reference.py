@@ -5,6 +5,8 @@ Query head h reads kv head h // G (contiguous groups, as transformers' `repeat_k
 Query slots: queries are tokens of the key row. By default query i is the token in slot i (S = T);
 `query_slots` [S] names each query's slot instead, so a device of a context-parallel mesh
 (m3jax/context_parallel.py) can attend with its own chunks of the row against all of its keys.
+They may come as runs, [R, S / R] consecutive slots each (what that mesh passes, and the only form
+the MSA GPU kernels take): every function here reads them flattened, in that order.
 """
 
 import jax
@@ -40,7 +42,7 @@ def document_causal_mask(segment_ids: jax.Array, query_slots: jax.Array | None =
     """[B, T] segment ids -> [B, S, T] bool: key j visible to query i iff j <= i's slot and both
     are in the same segment. query_slots: [S] int, each query's slot (None: slots 0..T-1)."""
     num_keys = segment_ids.shape[-1]
-    slots = jnp.arange(num_keys) if query_slots is None else query_slots
+    slots = jnp.arange(num_keys) if query_slots is None else query_slots.reshape(-1)
     causal = slots[:, None] >= jnp.arange(num_keys)[None, :]
     query_segments = at_query_slots(segment_ids, query_slots)
     same_segment = query_segments[:, :, None] == segment_ids[:, None, :]
@@ -49,4 +51,4 @@ def document_causal_mask(segment_ids: jax.Array, query_slots: jax.Array | None =
 
 def at_query_slots(x: jax.Array, query_slots: jax.Array | None) -> jax.Array:
     """Per-key values [B, T, ...] -> those of the queries [B, S, ...] (x itself when None)."""
-    return x if query_slots is None else jnp.take(x, query_slots, axis=1)
+    return x if query_slots is None else jnp.take(x, query_slots.reshape(-1), axis=1)

@@ -135,7 +135,7 @@ def slot_tiles(query_slots: jax.Array | None, seq: int, tile: int) -> jax.Array:
     if query_slots is None:
         num_tiles = -(-seq // tile)
         return jnp.arange(num_tiles * tile).reshape(num_tiles, tile)
-    return query_tiles(query_slots[None], tile)[:, 0]
+    return query_tiles(query_slots.reshape(1, -1), tile)[:, 0]
 
 
 def untile(x: jax.Array, seq: int) -> jax.Array:

@@ -16,17 +16,23 @@
   likewise: "auto" runs the backward on Mosaic GPU kernels (mosaic_backward.py) behind a Mosaic
   forward where they fit (1.08× small-gpu's training step at 4K rows and at 32K, 1.07× at
   128K), the Triton backward elsewhere; either backward takes either forward's residuals (every
-  forward leaves the same LSE and LSE_z). Queries go in windows of at most `max_window` so
-  that the per-entry shares stay within `partial_bytes` of memory.
+  forward leaves the same LSE and LSE_z). Queries go in windows small enough that the
+  per-entry shares stay within `partial_bytes` of memory (but of at least `min_window`).
 - `dense_attention` and `block_recall` are the XLA path's (the dense warm-up and a diagnostic).
+
+Query slots (reference.py): the kernels take them as runs, [R, S / R] consecutive slots each
+(context parallelism's two chunks a device, m3jax/context_parallel.py), since they address a
+window's queries as one slot offset plus their place in it: each run is cut into windows of its
+own. Other query slots are refused.
 
 The other kernels are written for the Triton lowering of Pallas (a stepping stone towards Mosaic
 GPU; spec/msa.md §4). On a machine without a GPU they run in Pallas' interpreter (`interpret=None`
 picks that; the Mosaic kernel in Mosaic GPU's), which is how the CPU tests check them against the
 reference.
 
-Shapes: B batch, S sequence, H query heads, K kv heads (= Hi), G = H // K, Dh head dim, Di index
-head dim, k selected blocks per query, W queries per window, E = B·W·K·k selection entries.
+Shapes: B batch, S queries, T keys (= S without query slots), H query heads, K kv heads (= Hi),
+G = H // K, Dh head dim, Di index head dim, k selected blocks per query, W queries per window,
+E = B·W·K·k selection entries, R runs of query slots.
 """
 
 import dataclasses
@@ -34,7 +40,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+
+from pallas_kernels.attention.reference import at_query_slots
 
 from pallas_kernels.msa import (
     backward_kernel,
@@ -63,6 +72,7 @@ class Config:
     )
     selection: selection_kernel.Tiling = selection_kernel.Tiling()
     partial_bytes: int = 4 << 30  # memory for the per-entry output shares of one window
+    min_window: int = 128  # the fewest queries a window takes, however small partial_bytes
     # "triton": LSE pass + forward pass; "mosaic": the Mosaic GPU forward (+ KL pass); "auto":
     # Mosaic where `concrete` picks it
     forward_kernel: str = "auto"
@@ -188,15 +198,35 @@ def top_blocks(
     block_size: int,
     topk_blocks: int,
     local_blocks: int,
+    query_slots: jax.Array | None = None,
     config: Config = Config(),
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Same arguments and result as `reference.top_blocks`."""
+    """Same arguments and result as `reference.top_blocks` (query slots as runs: module
+    docstring)."""
     return selection_kernel.top_blocks(
         index_q, index_k, segment_ids, positions, block_size=block_size,
-        topk_blocks=topk_blocks, local_blocks=local_blocks, tiling=config.selection,
+        topk_blocks=topk_blocks, local_blocks=local_blocks,
+        run_starts=run_starts(query_slots, index_q.shape[1]), tiling=config.selection,
         interpret=_interpret(interpret),
     )  # fmt: skip
+
+
+def run_starts(query_slots: jax.Array | None, num_queries: int) -> jax.Array | None:
+    """[R] int32: the first slot of each run of query slots [R, S / R] (None without them).
+    Slots known at trace time are checked to run consecutively; traced ones are trusted."""
+    if query_slots is None:
+        return None
+    if query_slots.ndim != 2 or query_slots.size != num_queries:
+        raise ValueError(
+            f"MSA kernels take query slots as [runs, length] of consecutive slots for the "
+            f"{num_queries} queries, not shape {query_slots.shape}"
+        )
+    if not isinstance(query_slots, jax.core.Tracer):
+        steps = np.diff(np.asarray(query_slots), axis=1)
+        if steps.size and not (steps == 1).all():
+            raise ValueError("MSA kernels: query slots do not run consecutively within each run")
+    return query_slots[:, 0].astype(jnp.int32)
 
 
 def sparse_attention(
@@ -209,10 +239,12 @@ def sparse_attention(
     *,
     block_size: int,
     student: Student = None,
+    query_slots: jax.Array | None = None,
     config: Config = Config(),
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Same arguments and results as `reference.sparse_attention`."""
+    """Same arguments and results as `reference.sparse_attention` (query slots as runs: module
+    docstring)."""
     index_q, index_k = (q, None) if student is None else student
     reason = unsupported_reason(
         q, k, index_q, block_size=block_size, config=config, interpret=interpret
@@ -220,8 +252,11 @@ def sparse_attention(
     if reason:
         raise ValueError(f"MSA kernels: {reason}")
     config = concrete(config, q, k, index_q, block_size, interpret)
-    batch, seq, num_heads, head_dim = q.shape
+    batch, num_queries, num_heads, head_dim = q.shape
     num_kv_heads, topk = k.shape[2], block_indices.shape[-1]
+    starts = run_starts(query_slots, num_queries)
+    starts = jnp.zeros(1, jnp.int32) if starts is None else starts
+    run_length = num_queries // starts.shape[0]
     # per-entry shares of a window: the output's (forward), key_split copies of dq's (backward)
     copies = max(1, config.backward.key_split)
     per_query = batch * num_heads * topk * head_dim * jnp.dtype(q.dtype).itemsize * copies
@@ -229,8 +264,8 @@ def sparse_attention(
     forward_geo, backward_geo = (
         chunks.Geometry(
             batch=batch,
-            seq=seq,
-            window=min(seq, max(128, config.partial_bytes // per_query)),
+            seq=k.shape[1],
+            window=min(run_length, max(config.min_window, config.partial_bytes // per_query)),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -242,40 +277,51 @@ def sparse_attention(
         for tiling in (forward_tiling, config.backward_tiling)
     )
     attention = _attention(forward_geo, backward_geo, config, _interpret(interpret),
-                           student is not None)  # fmt: skip
+                           student is not None, num_queries)  # fmt: skip
     index_q = None if student is None else index_q
-    return attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions)
+    # the kernels read the key row's segment ids, and the queries' own positions
+    query_positions = at_query_slots(positions, query_slots)
+    return attention(q, k, v, index_q, index_k, block_indices, segment_ids, query_positions,
+                     starts)  # fmt: skip
 
 
 class _Windows:
-    """Queries in windows of W: [B, S, ...] <-> [num_windows, B, W, ...] (the last one padded)."""
+    """Queries in windows of W: [B, S, ...] <-> [num_windows, B, W, ...]. The S queries are R
+    runs of consecutive slots from `starts` [R]; each run is cut into windows, its last padded."""
 
-    def __init__(self, geo: chunks.Geometry):
-        self.geo, self.count = geo, -(-geo.seq // geo.window)
-        self.offsets = jnp.arange(self.count, dtype=jnp.int32) * geo.window
+    def __init__(self, geo: chunks.Geometry, num_queries: int, starts: jax.Array):
+        self.geo, self.runs = geo, starts.shape[0]
+        self.run_length = num_queries // self.runs
+        self.per_run = -(-self.run_length // geo.window)
+        self.count = self.runs * self.per_run
+        within = jnp.arange(self.per_run, dtype=jnp.int32) * geo.window
+        self.offsets = (starts[:, None] + within).reshape(-1)
 
     def split(self, x, fill=0):
         geo = self.geo
-        pad = self.count * geo.window - geo.seq
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return jnp.moveaxis(x.reshape(geo.batch, self.count, geo.window, *x.shape[2:]), 1, 0)
+        x = x.reshape(geo.batch, self.runs, self.run_length, *x.shape[2:])
+        pad = [(0, 0), (0, 0), (0, self.per_run * geo.window - self.run_length)]
+        x = jnp.pad(x, pad + [(0, 0)] * (x.ndim - 3), constant_values=fill)
+        return jnp.moveaxis(x.reshape(geo.batch, self.count, geo.window, *x.shape[3:]), 1, 0)
 
     def join(self, x):
-        x = jnp.moveaxis(x, 0, 1)
-        return x.reshape(self.geo.batch, -1, *x.shape[3:])[:, : self.geo.seq]
+        geo = self.geo
+        x = jnp.moveaxis(x, 0, 1).reshape(geo.batch, self.runs, -1, *x.shape[3:])
+        return x[:, :, : self.run_length].reshape(geo.batch, -1, *x.shape[3:])
 
 
 def _flat(x):  # [B, N, heads, D] -> [B·N·heads, D]
     return x.reshape(-1, x.shape[-1])
 
 
-def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_student: bool):
+def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_student: bool,
+               num_queries: int):
     """The custom-VJP sparse attention of a whole row, computed window by window (the two
     geometries differ only in their chunks' queries)."""
     kernels = dict(interpret=interpret)
     geo = forward_geo
     mosaic = config.uses_mosaic
-    teacher_size = geo.batch * geo.seq * geo.num_kv_heads * geo.topk * geo.block_size * 4
+    teacher_size = geo.batch * num_queries * geo.num_kv_heads * geo.topk * geo.block_size * 4
     keeps_teacher = config.backward_kernel == "mosaic" and teacher_size <= config.teacher_bytes
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
     # the Triton backward's chunks, for the windows the Mosaic backward can't take
@@ -345,8 +391,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         kl = by_slot(kl_part, lists, valid, 0.0).sum(axis=3) if with_student else None
         return out, kl, lse, lse_z, None
 
-    def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions):
-        windows = _Windows(geo)
+    def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts):
+        windows = _Windows(geo, num_queries, starts)
         segments = segment_ids.reshape(-1).astype(jnp.int32)
         xs = (
             windows.split(q),
@@ -369,8 +415,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         out, kl = windows.join(out), kl if kl is None else windows.join(kl)
         out, lse, lse_z, teacher = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
                                     for x in (out, lse, lse_z, teacher))  # fmt: skip
-        residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z,
-                     teacher)  # fmt: skip
+        residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, starts, out, lse,
+                     lse_z, teacher)  # fmt: skip
         return (out, kl), residuals
 
     def selection_sums(parts, lists, valid):
@@ -442,11 +488,10 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         return sums, (dq, diq)
 
     def backward(residuals, cotangents):
-        q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z, teacher = (
-            residuals
-        )
+        (q, k, v, index_q, index_k, blocks, segment_ids, positions, starts, out, lse, lse_z,
+         teacher) = residuals  # fmt: skip
         d_out, d_kl = cotangents
-        windows = _Windows(geo)
+        windows = _Windows(geo, num_queries, starts)
         delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
         segments = segment_ids.reshape(-1).astype(jnp.int32)
         xs = (windows.split(q), windows.split(index_q) if with_student else None,
@@ -486,13 +531,13 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             dk, dv, dik = key_sums(added, totals, k, v, index_k)
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
         if not with_student:
-            return windows.join(dq), dk, dv, None, None, None, None, None
+            return windows.join(dq), dk, dv, None, None, None, None, None, None
         diq = windows.join(diq).astype(index_q.dtype)
-        return windows.join(dq), dk, dv, diq, dik.astype(index_k.dtype), None, None, None
+        return windows.join(dq), dk, dv, diq, dik.astype(index_k.dtype), None, None, None, None
 
     @jax.custom_vjp
-    def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions):
-        return forward(q, k, v, index_q, index_k, blocks, segment_ids, positions)[0]
+    def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts):
+        return forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts)[0]
 
     attention.defvjp(forward, backward)
     return attention

@@ -13,7 +13,12 @@ blocks arrive in increasing order and the worst is taken among ties by the highe
 to the lower block id, as `jax.lax.top_k` breaks them. Nothing of size [S, S] or [S, S / block]
 reaches memory: the output is [B, S, Hi, k] int32.
 
-Shapes: B batch, S sequence, Hi index heads, Di index head dim, R rows of a program.
+The queries are runs of consecutive slots of the key row (`run_starts`; one run from slot 0
+without query slots): a row's slot is its run's start plus its place in the run, so a
+context-parallel device's two chunks are one call (reference.py's `query_slots`).
+
+Shapes: B batch, S queries, T keys (= S without query slots), Hi index heads, Di index head dim,
+R rows of a program.
 """
 
 import dataclasses
@@ -58,26 +63,35 @@ def top_blocks(
     block_size: int,
     topk_blocks: int,
     local_blocks: int,
+    run_starts: jax.Array | None = None,
     tiling: Tiling = Tiling(),
     interpret: bool = False,
 ) -> jax.Array:
-    """Same arguments and result as `reference.top_blocks`: [B, S, Hi, min(k, ceil(S / block))]."""
-    batch, seq, num_heads, index_dim = index_q.shape
+    """Same result as `reference.top_blocks`: [B, S, Hi, min(k, ceil(T / block))]. run_starts:
+    [R] int32, the key-row slot of the first query of each of R runs of S / R consecutive queries
+    (None: one run from slot 0, S = T); segment_ids and positions are the key row's [B, T]."""
+    batch, num_queries, num_heads, index_dim = index_q.shape
+    seq = index_k.shape[1]
+    if run_starts is None:
+        run_starts = jnp.zeros(1, jnp.int32)
+    run_length = num_queries // run_starts.shape[0]
     num_blocks = -(-seq // block_size)
     topk = min(topk_blocks, num_blocks)
     width = pl.next_power_of_2(topk)
     if tiling.rows % num_heads:
         raise ValueError(f"Tiling.rows={tiling.rows} is not a multiple of {num_heads=} index heads")
     queries = tiling.rows // num_heads
-    num_tiles = -(-seq // queries)
+    num_tiles = -(-num_queries // queries)
 
-    def kernel(iq_ref, ik_ref, seg_ref, pos_ref, out_ref):
+    def kernel(starts_ref, iq_ref, ik_ref, seg_ref, pos_ref, out_ref):
         tile, b = num_tiles - 1 - pl.program_id(0), pl.program_id(1)  # longest tiles first
         row = jnp.arange(tiling.rows)
-        query = tile * queries + row // num_heads
-        inside = query < seq
+        local = tile * queries + row // num_heads  # the query's place among the S
+        inside = local < num_queries
+        local = jnp.minimum(local, num_queries - 1)
+        query = starts_ref[local // run_length] + local % run_length  # its slot in the key row
         slot_row = b * seq + jnp.minimum(query, seq - 1)
-        q_rows = slot_row * num_heads + row % num_heads
+        q_rows = (b * num_queries + local) * num_heads + row % num_heads
         index_queries = plt.load(
             iq_ref.at[q_rows[:, None], jnp.arange(index_dim)[None, :]],
             mask=inside[:, None], other=0.0,
@@ -148,7 +162,7 @@ def top_blocks(
         # mask: [interior_start, interior_end). The rest take every mask.
         doc_start = jnp.where(inside, start, seq).min()
         one_document = doc_start == jnp.where(inside, start, -1).max()
-        first_query = tile * queries
+        first_query = jnp.where(inside, query, seq).min()
         interior_start = jnp.maximum(-(-doc_start // block_size), first_tile)
         interior_end = jnp.maximum((first_query + 1) // block_size, interior_start)
         interior_start = jnp.where(one_document, interior_start, first_tile)
@@ -168,7 +182,7 @@ def top_blocks(
         chosen = jnp.where(scores == -jnp.inf, -1, ids)
         # rows past the sequence get distinct targets past the end (Pallas' interpreter writes
         # masked rows back, so they must not alias kept ones)
-        targets = jnp.where(inside, q_rows, batch * seq * num_heads + row)
+        targets = jnp.where(inside, q_rows, batch * num_queries * num_heads + row)
         plt.store(
             out_ref.at[targets[:, None], column], chosen, mask=inside[:, None] & (column < topk)
         )
@@ -176,16 +190,17 @@ def top_blocks(
     out = pl.pallas_call(
         kernel,
         name="msa_select",
-        out_shape=jax.ShapeDtypeStruct((batch * seq * num_heads, topk), jnp.int32),
+        out_shape=jax.ShapeDtypeStruct((batch * num_queries * num_heads, topk), jnp.int32),
         grid=(num_tiles, batch),
         compiler_params=plt.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages
         ),
         interpret=interpret,
     )(
+        run_starts.astype(jnp.int32),
         jax.lax.stop_gradient(index_q).reshape(-1, index_dim),
         jax.lax.stop_gradient(index_k).reshape(-1, index_dim),
         segment_ids.reshape(-1).astype(jnp.int32),
         positions.reshape(-1).astype(jnp.int32),
     )
-    return out.reshape(batch, seq, num_heads, topk)
+    return out.reshape(batch, num_queries, num_heads, topk)

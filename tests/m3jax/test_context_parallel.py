@@ -11,6 +11,7 @@ The suite runs on 4 fake devices (conftest.py): the 4-device mesh here, the 8-de
 a subprocess with 8 (`test_context_parallel_on_8_devices`).
 """
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -33,6 +34,7 @@ from batch_format.batch import Batch, make_batch
 from m3jax import attention_ops, context_parallel, sharding
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
+from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import xla as msa_xla
 from pretrain.loss import loss_totals
 from pretrain.train_step import make_loss_fn
@@ -72,9 +74,12 @@ def packed_batch() -> Batch:
                       loss_mask=(segments > 0).astype(np.float32))  # fmt: skip
 
 
-def loss_and_grads(mesh=None):
+def loss_and_grads(mesh=None, attention_impl: str | None = None):
     """(loss, metrics, gradients) of the training loss on `mesh` (None: one device)."""
-    model = functional(RUN.model, mesh)
+    config = RUN.model
+    if attention_impl is not None:
+        config = dataclasses.replace(config, attention_impl=attention_impl)
+    model = functional(config, mesh)
     params, buffers = model.init(0)
     batch = jax.tree.map(jnp.asarray, packed_batch())
     if mesh is not None:
@@ -127,17 +132,34 @@ def test_a_row_that_does_not_split_into_2n_chunks_is_refused():
         context_parallel.to_balanced(jnp.zeros((1, 12)), mesh_of({"seq": 4}))
 
 
-def test_kernels_fall_back_to_xla_under_context_parallelism_saying_why():
+def test_gpu_kernels_take_query_slots_and_tpu_kernels_fall_back_saying_why():
     config = RUN.model.msa
     q = k = index_q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
-    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "gpu"):
-        for impl in ("auto", "pallas"):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                backend = attention_ops.msa_backend(impl, config, q, k, index_q,
-                                                    context_parallel=True)  # fmt: skip
-            assert backend is msa_xla
-            assert "context parallelism (mesh seq > 1)" in str(caught[0].message)
+    for platform, expected in (("gpu", msa_pallas), ("tpu", msa_xla)):
+        with mock.patch.object(attention_ops.jax, "default_backend", lambda: platform):
+            for impl in ("auto", "pallas"):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    backend = attention_ops.msa_backend(impl, config, q, k, index_q,
+                                                        context_parallel=True)  # fmt: skip
+                assert backend is expected, (platform, impl)
+                said = [str(w.message) for w in caught]
+                if platform == "tpu":
+                    assert "context parallelism (mesh seq > 1)" in said[0]
+                else:
+                    assert not said
+
+
+@pytest.mark.slow
+def test_loss_and_gradients_through_the_msa_gpu_kernels_equal_one_device():
+    """attention_impl="pallas" (the GPU kernels in Pallas' interpreter) on seq=2: each device's
+    two query chunks go to the kernels as runs of slots; the loss, metrics and gradients equal
+    one device's through the XLA path."""
+    loss, metrics, grads = loss_and_grads(mesh_of({"seq": 2}), attention_impl="pallas")
+    loss_ref, metrics_ref, grads_ref = one_device()
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
+    assert_trees_close(metrics, metrics_ref)
+    assert_trees_close(grads, grads_ref)
 
 
 if "seq8" not in RUNNABLE:  # the CPU suite's 4 devices: rerun the 8-device cases with 8

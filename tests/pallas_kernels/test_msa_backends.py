@@ -255,7 +255,8 @@ def test_kernel_tilings_agree(tiling):
     """Several query windows (dK/dV summed across them), unsplit key blocks, and segments long
     enough that no block list continues: the same values and gradients."""
     config = {
-        "windows": dataclasses.replace(SMALL, partial_bytes=40_000),  # 48 queries a window
+        # 40 KB of per-entry shares (3 KB a query): windows of 16 queries, 5 a row
+        "windows": dataclasses.replace(SMALL, partial_bytes=40_000, min_window=16),
         "whole blocks": dataclasses.replace(SMALL, backward=Tiling(rows=16, key_split=1)),
         "one segment per block": dataclasses.replace(
             SMALL,

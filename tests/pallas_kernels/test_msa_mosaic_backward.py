@@ -226,3 +226,43 @@ def test_a_teacher_over_its_budget_is_left_to_the_backward_s_kl_pass(teacher_byt
         got = gradients(config, *args, index=index)
     assert kl_pass.call_count == (2 if teacher_bytes == 0 else 1)
     assert_gradients_equal(got, reference_gradients(*args, index=index))
+
+
+def test_query_runs_through_the_mosaic_kernels_equal_the_whole_row():
+    """Context parallelism's query slots (two runs of 75 consecutive slots, a later one first,
+    cutting the packed documents) through the Mosaic forward, KL pass and backward with the
+    student: out, KL, dq and d(index_q) equal the whole row's at those rows; dk, dv and
+    d(index_k) of the row's two halves add up to the whole row's."""
+    q, k, v, blocks, segments, positions = inputs(4, 2, batch=1)
+    index_q, index_k = student(2, q.shape[1], 1)
+    config = dataclasses.replace(mosaic("mosaic"), mosaic=mosaic_forward.Tiling(segment_chunks=2))
+    keys = jax.random.split(jax.random.key(7), 2)
+    weights = jax.random.normal(keys[0], q.shape)
+    kl_weights = jax.random.normal(keys[1], (*q.shape[:2], k.shape[2]))
+    halves = [np.stack([np.arange(150, 225), np.arange(0, 75)]),
+              np.stack([np.arange(75, 150), np.arange(225, 300)])]  # fmt: skip
+
+    def loss(q, index_q, k, v, index_k, runs):
+        rows = runs.reshape(-1)
+        out, kl = pallas.sparse_attention(
+            q, k, v, blocks[:, rows], segments, positions, block_size=BLOCK,
+            student=(index_q, index_k), query_slots=jnp.asarray(runs), config=config,
+            interpret=True,
+        )  # fmt: skip
+        value = (out.astype(jnp.float32) * weights[:, rows]).sum()
+        return value + (kl * kl_weights[:, rows]).sum(), (out, kl)
+
+    def run(runs):
+        rows = runs.reshape(-1)
+        grad = jax.grad(loss, argnums=range(5), has_aux=True)
+        return grad(q[:, rows], index_q[:, rows], k, v, index_k, runs)
+
+    whole_grads, whole = run(np.arange(300)[None])
+    parts = [run(runs) for runs in halves]
+    for runs, (grads, (out, kl)) in zip(halves, parts):
+        rows = runs.reshape(-1)
+        np.testing.assert_array_equal(as_f32(out), as_f32(whole[0][:, rows]))
+        np.testing.assert_allclose(as_f32(kl), as_f32(whole[1][:, rows]), atol=1e-6)
+        assert_gradients_equal(grads[:2], [g[:, rows] for g in whole_grads[:2]])
+    summed = [as_f32(a) + as_f32(b) for a, b in zip(parts[0][0][2:], parts[1][0][2:])]
+    assert_gradients_equal(summed, whole_grads[2:])

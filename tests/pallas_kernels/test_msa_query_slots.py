@@ -1,25 +1,36 @@
 """Queries at given slots of the key row (`query_slots`, what a context-parallel device passes):
-each query's result equals that of the same token in the whole-row call, for the reference and the
-XLA path alike, and gradients of the parts add up to the whole row's. Without query slots the
-functions are unchanged: slots 0..T-1 give bit-identical results.
+each query's result equals that of the same token in the whole-row call, for the reference, the
+XLA path and the GPU kernels (Pallas' interpreter) alike, and gradients of the parts add up to the
+whole row's. Without query slots the functions are unchanged: slots 0..T-1 give bit-identical
+results.
 
-The queries are two chunks of the row, as a zig-zag device holds them (m3jax/context_parallel.py):
-a late one before an early one, cutting through documents (inputs: one of 37 slots, one of 35
-starting mid-block, 3 padding slots).
+The queries are two runs of consecutive slots, as a zig-zag device holds its chunks
+(m3jax/context_parallel.py): a late one before an early one, cutting through documents (inputs:
+one of 37 slots, one of 35 starting mid-block, 3 padding slots), 19 slots each so that the
+kernels' tiles of 8 queries straddle the two runs and their windows of 16 queries leave a padded
+one per run.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_msa_backends import inputs
+from test_msa_backends import SMALL, inputs
 
 from pallas_kernels.attention import xla as attention_xla
-from pallas_kernels.msa import reference, xla
+from pallas_kernels.msa import pallas, reference, xla
 
 SEQ = 75
-SLOTS = np.r_[48:64, 8:24]  # a later chunk first: slots need not be sorted
-BACKENDS = {"reference": reference, "xla": xla}
+RUNS = np.stack([np.arange(45, 64), np.arange(6, 25)])  # [2, 19]: a later chunk first
+SLOTS = RUNS.reshape(-1)
+WINDOWS = dataclasses.replace(SMALL, partial_bytes=40_000, min_window=16)
+BACKENDS = {  # the module and what its kernels take beyond the shared signature
+    "reference": (reference, {}),
+    "xla": (xla, {}),
+    "pallas": (pallas, {"config": WINDOWS, "interpret": True}),
+}
 MSA = {"block_size": 16}
 SELECT = {"block_size": 16, "topk_blocks": 2, "local_blocks": 1}
 
@@ -30,24 +41,30 @@ def at_slots(x, slots=SLOTS):
 
 def run_all(backend, slots=None):
     """(blocks, sparse out, sparse KL, dense out, dense KL, recall) for the queries at `slots`."""
+    module, kernel = BACKENDS[backend]
     q, k, v, index_q, index_k, segments, positions = inputs(seq=SEQ)
     if slots is not None:
-        q, index_q = q[:, slots], index_q[:, slots]
+        flat = np.asarray(slots).reshape(-1)
+        q, index_q = q[:, flat], index_q[:, flat]
     given = {} if slots is None else {"query_slots": slots}
     student = (index_q, index_k)
-    blocks = backend.top_blocks(index_q, index_k, segments, positions, **SELECT, **given)
-    sparse = backend.sparse_attention(
-        q, k, v, blocks, segments, positions, **MSA, student=student, **given
+    blocks = module.top_blocks(index_q, index_k, segments, positions, **SELECT, **given, **kernel)
+    sparse = module.sparse_attention(
+        q, k, v, blocks, segments, positions, **MSA, student=student, **given, **kernel
     )
-    dense = backend.dense_attention(q, k, v, segments, student=student, **given)
-    recall = backend.block_recall(q, k, blocks, segments, positions, **MSA, **given)
+    dense = module.dense_attention(q, k, v, segments, student=student, **given)
+    recall = module.block_recall(q, k, blocks, segments, positions, **MSA, **given)
     return blocks, *sparse, *dense, recall
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_queries_at_slots_equal_those_rows_of_the_whole_row(backend):
-    whole = run_all(BACKENDS[backend])
-    part = run_all(BACKENDS[backend], jnp.asarray(SLOTS))
+# the kernels take runs only (test_kernels_refuse_slots_that_are_not_runs)
+FORMS = [(b, f) for b in BACKENDS for f in ("runs", "flat") if (b, f) != ("pallas", "flat")]
+
+
+@pytest.mark.parametrize("backend, form", FORMS)
+def test_queries_at_slots_equal_those_rows_of_the_whole_row(backend, form):
+    whole = run_all(backend)
+    part = run_all(backend, jnp.asarray(RUNS if form == "runs" else SLOTS))
     assert whole[0].shape[-1] == part[0].shape[-1] == 2  # 5 key blocks, top 2: selection matters
     for name, w, p in zip(("blocks", "out", "kl", "dense", "dense kl", "recall"), whole, part):
         if name == "blocks":  # the same set of blocks (their order is unspecified)
@@ -59,42 +76,65 @@ def test_queries_at_slots_equal_those_rows_of_the_whole_row(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_slots_zero_to_t_are_bit_identical_to_no_slots(backend):
-    for a, b in zip(run_all(BACKENDS[backend]), run_all(BACKENDS[backend], jnp.arange(SEQ))):
+    for a, b in zip(run_all(backend), run_all(backend, jnp.arange(SEQ)[None])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_kernels_refuse_slots_that_are_not_runs():
+    q, k, v, index_q, index_k, segments, positions = inputs(seq=SEQ)
+    blocks = reference.top_blocks(index_q, index_k, segments, positions, **SELECT)
+    kernel = BACKENDS["pallas"][1]
+    with pytest.raises(ValueError, match=r"\[runs, length\]"):
+        pallas.top_blocks(index_q[:, SLOTS], index_k, segments, positions, **SELECT,
+                          query_slots=jnp.asarray(SLOTS), **kernel)  # fmt: skip
+    gapped = RUNS.copy()
+    gapped[0, 5:] += 1  # a gap inside the first run
+    with pytest.raises(ValueError, match="consecutively"):
+        pallas.sparse_attention(q[:, SLOTS], k, v, blocks[:, SLOTS], segments, positions, **MSA,
+                                query_slots=jnp.asarray(gapped), **kernel)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "backend",
-    ["xla", pytest.param("reference", marks=pytest.mark.slow)],  # eager O(S²): 9 s
+    ["xla", "pallas", pytest.param("reference", marks=pytest.mark.slow)],  # eager O(S²): 9 s
 )
 def test_gradients_of_query_parts_add_up_to_the_whole_row(backend):
-    """Queries split in two parts at slots: dq per part, dk and dv the sum over parts (what the
+    """Queries split in two parts at slots (runs of 25: two, then one), values and student
+    included: dq and d(index_q) per part, dk, dv and d(index_k) the sum over parts (what the
     reduce-scatter of a context-parallel backward adds)."""
-    backend = BACKENDS[backend]
+    module, kernel = BACKENDS[backend]
     q, k, v, index_q, index_k, segments, positions = inputs(seq=SEQ)
     weights = jax.random.normal(jax.random.key(1), q.shape)
-    blocks = backend.top_blocks(index_q, index_k, segments, positions, **SELECT)
+    kl_weights = jax.random.normal(jax.random.key(2), index_q.shape[:3])
+    blocks = reference.top_blocks(index_q, index_k, segments, positions, **SELECT)
+    parts = [np.stack([np.arange(0, 25), np.arange(50, 75)]), np.arange(25, 50)[None]]
 
-    def loss(q, k, v, slots):
-        given = {} if slots is None else {"query_slots": slots}
-        picked = blocks if slots is None else blocks[:, slots]
-        out, _ = backend.sparse_attention(q, k, v, picked, segments, positions, **MSA, **given)
-        return (out * (weights if slots is None else weights[:, slots])).sum()
+    def loss(q, index_q, k, v, index_k, runs):
+        given, picked = {}, np.arange(SEQ)
+        if runs is not None:
+            given, picked = {"query_slots": jnp.asarray(runs)}, runs.reshape(-1)
+        out, kl = module.sparse_attention(
+            q, k, v, blocks[:, picked], segments, positions, **MSA, student=(index_q, index_k),
+            **given, **kernel,
+        )  # fmt: skip
+        return (out * weights[:, picked]).sum() + (kl * kl_weights[:, picked]).sum()
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))
-    whole = grads(q, k, v, None)
-    rest = np.setdiff1d(np.arange(SEQ), SLOTS)
-    parts = [grads(q[:, s], k, v, jnp.asarray(s)) for s in (SLOTS, rest)]
-    np.testing.assert_allclose(parts[0][0], at_slots(whole[0]), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(parts[1][0], at_slots(whole[0], rest), rtol=1e-5, atol=1e-6)
-    for i in (1, 2):
-        np.testing.assert_allclose(parts[0][i] + parts[1][i], whole[i], rtol=1e-5, atol=1e-5)
+    grads = jax.grad(loss, argnums=range(5))
+    whole = grads(q, index_q, k, v, index_k, None)
+    split = [grads(q[:, r.reshape(-1)], index_q[:, r.reshape(-1)], k, v, index_k, r)
+             for r in parts]  # fmt: skip
+    for i in (0, 1):  # per query
+        for runs, part in zip(parts, split):
+            np.testing.assert_allclose(part[i], at_slots(whole[i], runs.reshape(-1)), rtol=1e-4,
+                                       atol=1e-5)  # fmt: skip
+    for i in (2, 3, 4):  # per key: the parts add up
+        np.testing.assert_allclose(split[0][i] + split[1][i], whole[i], rtol=1e-4, atol=1e-5)
 
 
 def test_bidirectional_attention_at_slots_equals_those_rows():
     q, k, v, _, _, segments, _ = inputs(seq=SEQ)
     whole, _ = attention_xla.dense_attention(q, k, v, segments, causal=False)
     part, _ = attention_xla.dense_attention(
-        q[:, SLOTS], k, v, segments, causal=False, query_slots=jnp.asarray(SLOTS)
+        q[:, SLOTS], k, v, segments, causal=False, query_slots=jnp.asarray(RUNS)
     )
     np.testing.assert_allclose(part, at_slots(whole), rtol=1e-5, atol=1e-6)
