@@ -84,13 +84,14 @@ def test_student_gradients_match_reference_and_triton(group, kv_heads, forward):
     assert_gradients_equal(got, gradients(pallas.Config(), *args, index=index))
 
 
-@pytest.mark.parametrize("with_student", [False, True])
-def test_lowers_for_cuda_without_a_gpu(with_student):
+@pytest.mark.parametrize("with_student, query_runs", [(False, False), (True, False), (True, True)])
+def test_lowers_for_cuda_without_a_gpu(with_student, query_runs):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints, wgmma operands) of the
     backward kernels at Dh = Di = 128, G = 16: the forward, then the gradients kernel and with a
-    student the KL pass (its teacher feeds the student's gradients) and the student's kernel.
-    The Triton fallback for windows of too many segments lowers only with a GPU present: zeros
-    of its kernel's shapes stand in for it here."""
+    student the KL pass (its teacher feeds the student's gradients) and the student's kernel;
+    with query runs, half the queries as context parallelism's two runs of slots. The Triton
+    fallback for windows of too many segments lowers only with a GPU present: zeros of its
+    kernel's shapes stand in for it here."""
     config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic")
     triton = backward_kernel.backward_pass
 
@@ -98,14 +99,20 @@ def test_lowers_for_cuda_without_a_gpu(with_student):
         shapes = jax.eval_shape(functools.partial(triton, geo, tiling, **kwargs), *arrays)
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
 
-    def loss(q, k, v, blocks, segments, positions, *index):
+    def loss(q, k, v, blocks, segments, positions, slots, *index):
         out, kl = pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
-                                          student=index or None, config=config,
-                                          interpret=False)  # fmt: skip
+                                          student=index or None, query_slots=slots,
+                                          config=config, interpret=False)  # fmt: skip
         return out.astype(jnp.float32).sum() + (0.0 if kl is None else kl.sum())
 
-    operands = cuda_operands(with_student)
-    differentiated = (0, 1, 2, 6, 7) if with_student else (0, 1, 2)
+    operands = list(cuda_operands(with_student))
+    slots = None
+    if query_runs:  # the queries' arrays halved, their slots given as [2, 128]
+        halved = lambda x: jax.ShapeDtypeStruct((1, 256, *x.shape[2:]), x.dtype)  # noqa: E731
+        operands = [halved(x) if i in (0, 3, 6) else x for i, x in enumerate(operands)]
+        slots = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    operands.insert(6, slots)
+    differentiated = (0, 1, 2, 7, 8) if with_student else (0, 1, 2)
     grad = jax.jit(jax.grad(loss, argnums=differentiated))
     with mock.patch.object(backward_kernel, "backward_pass", stand_in):
         text = grad.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
