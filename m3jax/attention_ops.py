@@ -13,17 +13,23 @@ one field:
 - "auto" (default): "pallas" on GPUs and TPUs where the kernels apply, else "xla".
 Under context parallelism (mesh seq > 1, m3jax/context_parallel.py) a device's queries are two
 chunks of the row at given slots (`query_slots`, two runs of consecutive slots). The reference,
-the XLA path and MSA's GPU kernels take them; MSA's TPU kernels, cuDNN and splash do not, so
-"pallas" and "auto" run the XLA path for those, saying so once (`CONTEXT_PARALLEL_FALLBACK`).
+the XLA path and MSA's GPU kernels take them. cuDNN and splash take whole rows only: a device
+runs them on the whole row with its queries in their slots and zeros elsewhere
+(`through_whole_rows`), so its dense layers do the row's attention work unsplit, at the kernel's
+rate. MSA's TPU kernels take no query slots: "pallas" and "auto" run the XLA path for them,
+saying so once (`CONTEXT_PARALLEL_FALLBACK`).
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
 head dim.
 """
 
+import functools
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import jax
+import jax.numpy as jnp
 
 from m3jax.config import MSAConfig
 from pallas_kernels.attention import cudnn as attention_cudnn
@@ -38,8 +44,8 @@ from pallas_kernels.msa.reference import Student
 
 MSA_BACKENDS = {"reference": msa_reference, "xla": msa_xla, "pallas": msa_pallas}
 CONTEXT_PARALLEL_FALLBACK = (
-    "context parallelism (mesh seq > 1): attention takes the XLA path, since the {kernels} "
-    "take no query slots"
+    "context parallelism (mesh seq > 1): MSA takes the XLA path, since the MSA TPU kernels take "
+    "no query slots"
 )
 
 
@@ -60,7 +66,7 @@ def msa_backend(
     if impl == "auto" and platform not in ("gpu", "tpu"):
         return msa_xla
     if context_parallel and platform == "tpu":
-        _say_fallback("MSA TPU kernels")
+        warnings.warn(CONTEXT_PARALLEL_FALLBACK, stacklevel=2)  # shown once
         return msa_xla
     kernels = msa_tpu if platform == "tpu" else msa_pallas
     reason = kernels.unsupported_reason(q, k, index_q, block_size=msa.block_size)
@@ -88,25 +94,33 @@ def dense(
         if causal:
             mask = document_causal_mask(segment_ids, query_slots)
         return gqa_attention(q, k, v, mask[:, None, None])
-    if query_slots is not None and impl in ("pallas", "auto"):
-        if jax.default_backend() in ("gpu", "tpu"):
-            _say_fallback("cuDNN and splash kernels")
-    elif impl in ("pallas", "auto"):
+    if impl in ("pallas", "auto"):
         kernels = attention_splash if jax.default_backend() == "tpu" else attention_cudnn
         reason = kernels.unsupported_reason(q, k)
         # on a CPU, "pallas" interprets the MSA kernels; cuDNN and splash have no interpreter
         if impl == "pallas" and reason and jax.default_backend() != "cpu":
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
-            return kernels.dense_attention(q, k, v, segment_ids, causal=causal)
+            attend = functools.partial(kernels.dense_attention, causal=causal)
+            return through_whole_rows(attend, q, k, v, segment_ids, query_slots)
     return attention_xla.dense_attention(
         q, k, v, segment_ids, causal=causal, query_slots=query_slots
     )[0]
 
 
-def _say_fallback(kernels: str) -> None:
-    """One line, once per kind of kernel (Python shows a repeated warning once)."""
-    warnings.warn(CONTEXT_PARALLEL_FALLBACK.format(kernels=kernels), stacklevel=3)
+def through_whole_rows(
+    attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+    query_slots: jax.Array | None,
+) -> jax.Array:  # fmt: skip
+    """attend(q, k, v, segment_ids) -> out, for a kernel that takes whole rows (S = T), with the
+    queries at `query_slots` [S] (or runs [R, S / R]) of the key row: they go into a row of T
+    queries, zeros in the other slots, whose outputs are dropped (their cotangent is zero, so
+    they add nothing to the key gradients). None: attend itself."""
+    if query_slots is None:
+        return attend(q, k, v, segment_ids)
+    slots = query_slots.reshape(-1)
+    row = jnp.zeros((q.shape[0], k.shape[1], *q.shape[2:]), q.dtype).at[:, slots].set(q)
+    return attend(row, k, v, segment_ids)[:, slots]
 
 
 def msa_layer(
