@@ -14,22 +14,19 @@ one field:
 Under context parallelism (mesh seq > 1, m3jax/context_parallel.py) a device's queries are two
 chunks of the row at given slots (`query_slots`, two runs of consecutive slots). The reference,
 the XLA path and MSA's GPU kernels take them. cuDNN and splash take whole rows only: a device
-runs them on the whole row with its queries in their slots and zeros elsewhere
-(`through_whole_rows`), so its dense layers do the row's attention work unsplit, at the kernel's
-rate. MSA's TPU kernels take no query slots: "pallas" and "auto" run the XLA path for them,
-saying so once (`CONTEXT_PARALLEL_FALLBACK`).
+runs them on the whole row, its queries in their slots and zeros elsewhere (`through_whole_rows`
+in pallas_kernels/attention/reference.py), so its dense layers do the row's attention work
+unsplit, at the kernel's rate. MSA's TPU kernels take no query slots: "pallas" and "auto" run
+the XLA path for them, saying so once (`CONTEXT_PARALLEL_FALLBACK`).
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
 head dim.
 """
 
-import functools
 import warnings
-from collections.abc import Callable
 from types import ModuleType
 
 import jax
-import jax.numpy as jnp
 
 from m3jax.config import MSAConfig
 from pallas_kernels.attention import cudnn as attention_cudnn
@@ -101,26 +98,12 @@ def dense(
         if impl == "pallas" and reason and jax.default_backend() != "cpu":
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
-            attend = functools.partial(kernels.dense_attention, causal=causal)
-            return through_whole_rows(attend, q, k, v, segment_ids, query_slots)
+            return kernels.dense_attention(
+                q, k, v, segment_ids, causal=causal, query_slots=query_slots
+            )
     return attention_xla.dense_attention(
         q, k, v, segment_ids, causal=causal, query_slots=query_slots
     )[0]
-
-
-def through_whole_rows(
-    attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-    query_slots: jax.Array | None,
-) -> jax.Array:  # fmt: skip
-    """attend(q, k, v, segment_ids) -> out, for a kernel that takes whole rows (S = T), with the
-    queries at `query_slots` [S] (or runs [R, S / R]) of the key row: they go into a row of T
-    queries, zeros in the other slots, whose outputs are dropped (their cotangent is zero, so
-    they add nothing to the key gradients). None: attend itself."""
-    if query_slots is None:
-        return attend(q, k, v, segment_ids)
-    slots = query_slots.reshape(-1)
-    row = jnp.zeros((q.shape[0], k.shape[1], *q.shape[2:]), q.dtype).at[:, slots].set(q)
-    return attend(row, k, v, segment_ids)[:, slots]
 
 
 def msa_layer(

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from pallas_kernels.attention import xla
+from pallas_kernels.attention.reference import through_whole_rows
 
 SEGMENT_SLOTS = (16, 32)  # the default packed layout's bounds (segment slots per row)
 SLOT_TOKENS = 32 << 15  # the most segment slots × row tokens by default (32 slots at 32K)
@@ -50,20 +51,23 @@ def dense_attention(
     *,
     causal: bool = True,
     max_segments: int | None = None,
+    query_slots: jax.Array | None = None,
 ) -> jax.Array:
-    """Attention within each segment -> out [B, S, H, Dh] (q [B, S, H, Dh], k/v [B, S, K, Dh],
-    segment_ids [B, S]): the packed layout when every row has at most `max_segments` runs, else
-    `fallback`'s."""
-    seq = q.shape[1]
+    """Attention within each segment -> out [B, S, H, Dh] (q [B, S, H, Dh], k/v [B, T, K, Dh],
+    segment_ids [B, T]): the packed layout when every row has at most `max_segments` runs, else
+    `fallback`'s. query_slots (reference.py; None: S = T): cuDNN runs the whole row, these
+    queries in their slots and zeros elsewhere (`through_whole_rows`)."""
+    seq = k.shape[1]
     max_segments = min(max_segments or default_segments(seq), seq)
     packed = functools.partial(packed_attention, max_segments=max_segments, causal=causal)
+    packed = functools.partial(through_whole_rows, packed, query_slots=query_slots)
     if max_segments == seq:  # every row fits
         return packed(q, k, v, segment_ids)
     too_many = segment_runs(segment_ids, 1)[2].max() > max_segments
     # rematerialised: under AD both branches return the same residuals, so the packed branch
     # would write zeros for the fallback's [B, 1, S, S] mask in every step (2 GB, ~1 ms at 32K)
-    rows = jax.checkpoint(functools.partial(fallback(q.shape[0], seq), causal=causal))
-    return jax.lax.cond(too_many, rows, packed, q, k, v, segment_ids)
+    rows = functools.partial(fallback(q.shape[0], seq), causal=causal, query_slots=query_slots)
+    return jax.lax.cond(too_many, jax.checkpoint(rows), packed, q, k, v, segment_ids)
 
 
 def fallback(batch: int, seq: int) -> Callable[..., jax.Array]:
@@ -73,10 +77,11 @@ def fallback(batch: int, seq: int) -> Callable[..., jax.Array]:
 
 
 def tiled_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool
-) -> jax.Array:
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
+    query_slots: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
     """The XLA path's query-tiled attention: every tile against the whole row, linear memory."""
-    return xla.dense_attention(q, k, v, segment_ids, causal=causal)[0]
+    return xla.dense_attention(q, k, v, segment_ids, causal=causal, query_slots=query_slots)[0]
 
 
 def default_segments(seq: int) -> int:
@@ -90,13 +95,15 @@ def default_segments(seq: int) -> int:
 
 
 def masked_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool
-) -> jax.Array:
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
+    query_slots: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
     """cuDNN over whole rows under the [B, 1, S, S] same-segment (and causal) mask."""
     mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=causal, implementation="cudnn"
-    )
+    attend = functools.partial(jax.nn.dot_product_attention, mask=mask, is_causal=causal,
+                               implementation="cudnn")  # fmt: skip
+    return through_whole_rows(lambda q, k, v, _: attend(q, k, v), q, k, v, segment_ids,
+                              query_slots)  # fmt: skip
 
 
 def packed_attention(

@@ -9,6 +9,8 @@ They may come as runs, [R, S / R] consecutive slots each (what that mesh passes,
 the MSA GPU kernels take): every function here reads them flattened, in that order.
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -47,6 +49,21 @@ def document_causal_mask(segment_ids: jax.Array, query_slots: jax.Array | None =
     query_segments = at_query_slots(segment_ids, query_slots)
     same_segment = query_segments[:, :, None] == segment_ids[:, None, :]
     return causal[None] & same_segment
+
+
+def through_whole_rows(
+    attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+    query_slots: jax.Array | None,
+) -> jax.Array:  # fmt: skip
+    """attend(q, k, v, segment_ids) -> out for a kernel that takes whole rows only (S = T), run
+    for the queries at `query_slots` of the key row: they go into a row of T queries, zeros in
+    the other slots, whose outputs are dropped (their cotangent is zero: they add nothing to the
+    key gradients). The kernel does the whole row's work. None: attend itself."""
+    if query_slots is None:
+        return attend(q, k, v, segment_ids)
+    slots = query_slots.reshape(-1)
+    row = jnp.zeros((q.shape[0], k.shape[1], *q.shape[2:]), q.dtype).at[:, slots].set(q)
+    return attend(row, k, v, segment_ids)[:, slots]
 
 
 def at_query_slots(x: jax.Array, query_slots: jax.Array | None) -> jax.Array:

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+from pallas_kernels.attention.reference import through_whole_rows
+
 BLOCK = 128  # queries and keys per splash tile
 PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # padding slots: a segment of their own
 
@@ -50,10 +52,16 @@ def dense_attention(
     segment_ids: jax.Array,
     *,
     causal: bool = True,
+    query_slots: jax.Array | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Attention within each segment -> out [B, S, H, Dh] (q [B, S, H, Dh], k/v [B, S, K, Dh],
-    segment_ids [B, S]); causal=False: bidirectional within each segment (the ViT)."""
+    """Attention within each segment -> out [B, S, H, Dh] (q [B, S, H, Dh], k/v [B, T, K, Dh],
+    segment_ids [B, T]); causal=False: bidirectional within each segment (the ViT).
+    query_slots (reference.py; None: S = T): splash runs the whole row, these queries in their
+    slots and zeros elsewhere (`through_whole_rows`)."""
+    if query_slots is not None:
+        attend = functools.partial(dense_attention, causal=causal, interpret=interpret)
+        return through_whole_rows(attend, q, k, v, segment_ids, query_slots)
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     batch, seq, num_heads, head_dim = q.shape

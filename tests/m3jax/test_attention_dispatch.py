@@ -181,31 +181,3 @@ def test_save_attention_remat_runs_the_msa_kernels_forward_once(remat, forward_r
     for g, e in zip(jax.tree.leaves(grad(params)), jax.tree.leaves(plain(params))):
         np.testing.assert_allclose(g, e, atol=1e-6)
 
-
-def test_whole_row_kernels_take_query_slots_through_a_row_of_zeros():
-    """Dense attention under context parallelism on a (mocked) GPU: cuDNN takes whole rows, so the
-    queries at two runs of slots go into a row of zeros and their outputs come back; values and
-    gradients (dq at those rows, dk and dv from those queries alone) equal the XLA path's with
-    query slots. The XLA path stands in for cuDNN (no cuDNN on a CPU)."""
-    q, k, v, _, _ = operands(jnp.float32)
-    segments = jnp.asarray(np.repeat([1, 2, 3], [30, 45, 25])[None], jnp.int32)
-    runs = jnp.asarray(np.stack([np.arange(60, 80), np.arange(10, 30)]))
-    rows = np.asarray(runs).reshape(-1)
-    weights = jax.random.normal(jax.random.key(3), q[:, rows].shape)
-    whole_rows = mock.Mock(side_effect=lambda q, k, v, segments, causal: attention_ops.attention_xla
-                           .dense_attention(q, k, v, segments, causal=causal)[0])  # fmt: skip
-
-    def loss(impl, q, k, v):
-        out = attention_ops.dense(impl, q, k, v, segments, query_slots=runs)
-        return (out * weights).sum()
-
-    expected = jax.value_and_grad(loss, argnums=(1, 2, 3))("xla", q[:, rows], k, v)
-    cudnn = attention_ops.attention_cudnn
-    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "gpu"), \
-            mock.patch.object(cudnn, "unsupported_reason", lambda q, k: None), \
-            mock.patch.object(cudnn, "dense_attention", whole_rows):  # fmt: skip
-        got = jax.value_and_grad(loss, argnums=(1, 2, 3))("auto", q[:, rows], k, v)
-    assert whole_rows.call_args.args[0].shape == q.shape  # the whole row of queries
-    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
-    for g, e in zip(got[1], expected[1]):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)

@@ -199,3 +199,42 @@ def test_dense_picks_splash_on_a_tpu_and_says_why_not():
         with pytest.raises(ValueError, match="head_dim=16"):
             attention_ops.dense("pallas", *narrow, segments)
         assert attention_ops.dense("auto", *narrow, segments).shape == narrow[0].shape  # XLA
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "splash"])
+def test_whole_row_kernels_take_query_slots_through_a_row_of_zeros(kernel):
+    """Dense attention under context parallelism: cuDNN and splash take whole rows, so the queries
+    at two runs of slots go into a row of zeros and their outputs come back; values and gradients
+    (dq at those rows, dk and dv from those queries alone) equal the XLA path's with query slots.
+    cuDNN through `attention_ops.dense` on a mocked GPU, the XLA path standing in for its packed
+    call (which must get whole rows); splash in Pallas' interpreter."""
+    q, k, v = operands(77, batch=2)
+    segments = jnp.asarray(packed_segments(np.random.default_rng(2), 2, 77, 4))
+    runs = jnp.asarray(np.stack([np.arange(50, 70), np.arange(5, 25)]))
+    rows = np.asarray(runs).reshape(-1)
+    weights = jax.random.normal(jax.random.key(3), q[:, rows].shape)
+    row_shapes = []
+
+    def packed_stand_in(q, k, v, segments, *, max_segments, causal):
+        row_shapes.append(q.shape[1])
+        return xla.dense_attention(q, k, v, segments, causal=causal)[0]
+
+    def values_and_grads(attention):
+        def loss(q, k, v):
+            return (attention(q, k, v, segments, query_slots=runs) * weights).sum()
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q[:, rows], k, v)
+
+    expected = values_and_grads(functools.partial(attention_ops.dense, "xla"))
+    if kernel == "cudnn":
+        with mock.patch.object(attention_ops.jax, "default_backend", lambda: "gpu"), \
+                mock.patch.object(cudnn, "unsupported_reason", lambda q, k: None), \
+                mock.patch.object(cudnn, "packed_attention", packed_stand_in), \
+                mock.patch.object(cudnn, "fallback", lambda *_: cudnn.tiled_attention):  # fmt: skip
+            got = values_and_grads(functools.partial(attention_ops.dense, "auto"))
+        assert row_shapes and set(row_shapes) == {77}  # the whole row of queries
+    else:
+        got = values_and_grads(functools.partial(splash.dense_attention, interpret=True))
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
+    for g, e in zip(got[1], expected[1]):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
