@@ -199,10 +199,7 @@ class Attention(nnx.Module):
         """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""
         msa, segment_ids, positions = self.msa, inputs.segment_ids, inputs.positions
         q, k, v, index_q, index_k = p
-        backend = attention_ops.msa_backend(
-            self.impl, msa, q, k, index_q,
-            context_parallel=context_parallel.num_parts(self.mesh) > 1,
-        )  # fmt: skip
+        backend = attention_ops.msa_backend(self.impl, msa, q, k, index_q)
 
         def layer(q, index_q, k, v, index_k, segment_ids, positions, query_slots=None):
             out, kl, blocks = attention_ops.msa_layer(

@@ -12,18 +12,16 @@ one field:
   (pallas_kernels/attention/splash.py);
 - "auto" (default): "pallas" on GPUs and TPUs where the kernels apply, else "xla".
 Under context parallelism (mesh seq > 1, m3jax/context_parallel.py) a device's queries are two
-chunks of the row at given slots (`query_slots`, two runs of consecutive slots). The reference,
-the XLA path and MSA's GPU kernels take them. cuDNN and splash take whole rows only: a device
+chunks of the row at given slots (`query_slots`, two runs of consecutive slots). Every MSA
+backend takes them (the GPU kernels as runs). cuDNN and splash take whole rows only: a device
 runs them on the whole row, its queries in their slots and zeros elsewhere (`through_whole_rows`
 in pallas_kernels/attention/reference.py), so its dense layers do the row's attention work
-unsplit, at the kernel's rate. MSA's TPU kernels take no query slots: "pallas" and "auto" run
-the XLA path for them, saying so once (`CONTEXT_PARALLEL_FALLBACK`).
+unsplit, at the kernel's rate.
 
 Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh head dim, Di index
 head dim.
 """
 
-import warnings
 from types import ModuleType
 
 import jax
@@ -40,10 +38,6 @@ from pallas_kernels.msa import xla as msa_xla
 from pallas_kernels.msa.reference import Student
 
 MSA_BACKENDS = {"reference": msa_reference, "xla": msa_xla, "pallas": msa_pallas}
-CONTEXT_PARALLEL_FALLBACK = (
-    "context parallelism (mesh seq > 1): MSA takes the XLA path, since the MSA TPU kernels take "
-    "no query slots"
-)
 
 
 def msa_backend(
@@ -52,18 +46,12 @@ def msa_backend(
     q: jax.Array,
     k: jax.Array,
     index_q: jax.Array,
-    *,
-    context_parallel: bool = False,
 ) -> ModuleType:
-    """The module that runs an MSA layer with these operands under `attention_impl=impl`;
-    context_parallel: the queries come with query slots (module docstring)."""
+    """The module that runs an MSA layer with these operands under `attention_impl=impl`."""
     if impl in ("reference", "xla"):
         return MSA_BACKENDS[impl]
     platform = jax.default_backend()
     if impl == "auto" and platform not in ("gpu", "tpu"):
-        return msa_xla
-    if context_parallel and platform == "tpu":
-        warnings.warn(CONTEXT_PARALLEL_FALLBACK, stacklevel=2)  # shown once
         return msa_xla
     kernels = msa_tpu if platform == "tpu" else msa_pallas
     reason = kernels.unsupported_reason(q, k, index_q, block_size=msa.block_size)

@@ -19,12 +19,15 @@
 - `dense_attention` and `block_recall`: the XLA path's.
 
 Queries go in windows so that one call's tables stay within `table_entries` (SMEM is small).
+Query slots (reference.py): the kernels read each query's slot, segment and position from
+per-query operands, so a context-parallel device's chunks attend to the whole row of keys.
 On a machine without a TPU the kernels run in Pallas' TPU interpreter (`interpret=None` picks it),
 which checks block specs and the scalar-prefetch tables on CPU. Speed: unmeasured (no TPU here).
 `unsupported_reason` covers both kernels, so a layer either kernel can't take runs the XLA path.
 
-Shapes: B batch, S sequence, H query heads, K kv heads (= Hi), G = H // K, Dh head dim, Di index
-head dim, k selected blocks per query, Tq queries per tile, W queries per window.
+Shapes: B batch, S queries, T keys (= S without query slots), H query heads, K kv heads (= Hi),
+G = H // K, Dh head dim, Di index head dim, k selected blocks per query, Tq queries per tile, W
+queries per window.
 """
 
 import dataclasses
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.attention.reference import at_query_slots
 from pallas_kernels.msa import tpu_kernels, tpu_selection
 from pallas_kernels.msa.reference import SAVED_BY_REMAT, Student
 from pallas_kernels.msa.tpu_selection import NO_SEGMENT
@@ -83,17 +87,17 @@ def _interpret(interpret):
 
 
 def _geometry(q, k, index_dim, topk, block_size, config) -> tpu_kernels.Geometry:
-    batch, seq, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    batch, queries, num_heads, head_dim = q.shape
+    seq, num_kv_heads = k.shape[1:3]
     group = num_heads // num_kv_heads
-    tile = min(max(1, config.rows // group), seq)
-    num_tiles = -(-seq // tile)
+    tile = min(max(1, config.rows // group), queries)
+    num_tiles = -(-queries // tile)
     key_blocks = -(-seq // block_size)
     entries = min(key_blocks, 2 * tile * topk)
     per_tile = batch * num_kv_heads * max(entries, key_blocks)  # forward or inverted table
     tiles = max(1, min(num_tiles, config.table_entries // per_tile))
-    return tpu_kernels.Geometry(batch, seq, num_kv_heads, group, head_dim, index_dim, topk,
-                                block_size, tile, tiles, entries)  # fmt: skip
+    return tpu_kernels.Geometry(batch, seq, queries, num_kv_heads, group, head_dim, index_dim,
+                                topk, block_size, tile, tiles, entries)  # fmt: skip
 
 
 def top_blocks(
@@ -105,6 +109,7 @@ def top_blocks(
     block_size: int,
     topk_blocks: int,
     local_blocks: int,
+    query_slots: jax.Array | None = None,
     config: Config = Config(),
     interpret=None,
 ) -> jax.Array:
@@ -114,7 +119,8 @@ def top_blocks(
     """
     return tpu_selection.top_blocks(
         index_q, index_k, segment_ids, positions, block_size=block_size, topk_blocks=topk_blocks,
-        local_blocks=local_blocks, tiling=config.selection, interpret=_interpret(interpret),
+        local_blocks=local_blocks, query_slots=query_slots, tiling=config.selection,
+        interpret=_interpret(interpret),
     )  # fmt: skip
 
 
@@ -125,7 +131,7 @@ def _pad(x, size, fill=0, axis=1):
 
 
 def _count(geo):
-    return -(-geo.seq // geo.window)
+    return -(-geo.queries // geo.window)
 
 
 def _windows(geo, x):  # [B, K, count·W, ...] -> [count, B, K, W, ...]
@@ -143,11 +149,12 @@ def _rows(geo, x):  # [B, S, H, D] -> [count, B, K, W·G, D], rows query-major
 def _from_rows(geo, x):  # the inverse of `_rows`
     count, batch, heads, _, width = x.shape
     x = x.reshape(count, batch, heads, geo.window, geo.group, width).transpose(1, 0, 3, 2, 4, 5)
-    return x.reshape(batch, count * geo.window, heads * geo.group, width)[:, : geo.seq]
+    return x.reshape(batch, count * geo.window, heads * geo.group, width)[:, : geo.queries]
 
 
-def _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions):
-    """Keys (whole rows) and per-window queries in the kernels' layouts (tpu_kernels)."""
+def _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions, query_slots):
+    """Keys (whole rows) and per-window queries in the kernels' layouts (tpu_kernels); padded
+    queries are in no segment."""
     batch, queries = k.shape[0], _count(geo) * geo.window
     key_slots = geo.key_blocks * geo.block_size
     to_heads = lambda x: _pad(x, key_slots).transpose(0, 2, 1, 3)  # [B, K, nb·block, Dh]
@@ -157,13 +164,16 @@ def _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions):
         "kseg": _pad(segment_ids, key_slots, fill=NO_SEGMENT).astype(jnp.int32)[:, None],
         "ik": None if index_k is None else _pad(index_k, key_slots),
     }  # fmt: skip
-    slots = jnp.arange(queries, dtype=jnp.int32).reshape(-1, 1, geo.window, 1)
-    segments = _pad(segment_ids, queries, fill=-1).astype(jnp.int32)
+    slots = jnp.arange(geo.queries) if query_slots is None else query_slots.reshape(-1)
+    slots = _pad(slots[None].astype(jnp.int32), queries)[0].reshape(-1, 1, geo.window, 1)
+    segments = _pad(at_query_slots(segment_ids, query_slots), queries, fill=-1)
+    segments = segments.astype(jnp.int32)
+    query_positions = _pad(at_query_slots(positions, query_slots), queries)
     windows = (
         _windows(geo, _pad(blocks, queries, fill=-1).transpose(0, 2, 1, 3)),
         jnp.broadcast_to(slots, (slots.shape[0], batch, geo.window, 1)),
         jnp.moveaxis(segments.reshape(batch, -1, geo.window, 1), 1, 0),
-        jnp.moveaxis(_pad(positions, queries).reshape(batch, -1, geo.window), 1, 0),
+        jnp.moveaxis(query_positions.reshape(batch, -1, geo.window), 1, 0),
         None if index_q is None else _windows(geo, _pad(index_q, queries).transpose(0, 2, 1, 3)),
     )
     return keys, windows
@@ -175,13 +185,15 @@ def _queries(geo, x):  # [B, S, K] -> [count, B, K, W, 1]
 
 def _from_queries(geo, x):  # [count, B, K, W, D] -> [B, S, K, D]
     x = jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], -1, x.shape[-1])
-    return x.transpose(0, 2, 1, 3)[:, : geo.seq]
+    return x.transpose(0, 2, 1, 3)[:, : geo.queries]
 
 
-def _forward(geo, interpret, q, k, v, index_q, index_k, blocks, segment_ids, positions):
+def _forward(geo, interpret, q, k, v, index_q, index_k, blocks, segment_ids, positions,
+             query_slots):  # fmt: skip
     """The kernels over every window -> out [B, S, H, Dh], KL [B, S, K] fp32 or None, and for
     the backward the LSE rows [count, B, K, W·G, 1] and the student's [count, B, K, W, 1]."""
-    keys, windows = _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions)
+    keys, windows = _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions,
+                              query_slots)  # fmt: skip
     run = functools.partial(tpu_kernels.window_forward, geo, interpret, keys)
     out, lse, kl, lse_z = jax.lax.map(run, (_rows(geo, q), *windows))
     kl = None if kl is None else _from_queries(geo, kl)[..., 0]
@@ -191,10 +203,12 @@ def _forward(geo, interpret, q, k, v, index_q, index_k, blocks, segment_ids, pos
 def _backward(geo, interpret, residuals, d_out, d_kl):
     """The kernels' gradients of q, k, v (and of index_q, index_k with a student), summed over
     windows in fp32."""
-    q, k, v, index_q, index_k, blocks, segment_ids, positions, out, lse, lse_z = residuals
+    (q, k, v, index_q, index_k, blocks, segment_ids, positions, query_slots, out, lse,
+     lse_z) = residuals  # fmt: skip
     with_student = index_q is not None
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True)
-    keys, windows = _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions)
+    keys, windows = _operands(geo, k, v, index_q, index_k, blocks, segment_ids, positions,
+                              query_slots)  # fmt: skip
     student_grads = (lse_z, _queries(geo, d_kl.astype(jnp.float32))) if with_student else None
     xs = (_rows(geo, q), *windows, lse, _rows(geo, d_out.astype(q.dtype)), _rows(geo, delta),
           student_grads)  # fmt: skip
@@ -224,8 +238,8 @@ def _attention(geo: tpu_kernels.Geometry, interpret):
     backward_kernels = jax.jit(functools.partial(_backward, geo, interpret))
 
     @jax.custom_vjp
-    def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions):
-        args = (q, k, v, index_q, index_k, blocks, segment_ids, positions)
+    def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions, query_slots):
+        args = (q, k, v, index_q, index_k, blocks, segment_ids, positions, query_slots)
         return forward_kernels(*args)[:2]
 
     def forward(*args):
@@ -235,7 +249,7 @@ def _attention(geo: tpu_kernels.Geometry, interpret):
         return (out, kl), (*args, out, lse, lse_z)
 
     def backward(residuals, cotangents):
-        return (*backward_kernels(residuals, *cotangents), None, None, None)
+        return (*backward_kernels(residuals, *cotangents), None, None, None, None)
 
     attention.defvjp(forward, backward)
     return attention
@@ -251,6 +265,7 @@ def sparse_attention(
     *,
     block_size: int,
     student: Student = None,
+    query_slots: jax.Array | None = None,
     config: Config = Config(),
     interpret=None,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -262,4 +277,5 @@ def sparse_attention(
     index_dim = q.shape[3] if index_q is None else index_q.shape[3]
     geo = _geometry(q, k, index_dim, block_indices.shape[-1], block_size, config)
     attention = _attention(geo, _interpret(interpret))
-    return attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions)
+    slots = None if query_slots is None else jnp.asarray(query_slots, jnp.int32)
+    return attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions, slots)

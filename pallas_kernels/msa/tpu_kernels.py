@@ -32,7 +32,8 @@ from pallas_kernels.attention.xla import NEG_INF
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     batch: int
-    seq: int
+    seq: int  # T keys per row
+    queries: int  # S
     num_kv_heads: int
     group: int
     head_dim: int

@@ -16,13 +16,17 @@ and the worst is taken among ties by the highest id, so ties go to the lower blo
 writes it. Nothing of size [S, S] or [S, S / block] reaches HBM: the output is [B, S, Hi, k].
 
 Tables in scalar prefetch (SMEM), per (row b, query tile t): the first key tile (the earliest
-document start of the tile's queries), the last (its last query's, the same for every row), and
-where the mask-free key tiles begin — tiles inside the one document of all the tile's queries and
-before its first query need no visibility mask. Key tiles are fetched by `index_map`s that clamp
-to [first, last], so skipped grid steps copy nothing.
+document start of the tile's queries), the last (its latest query's, the same for every row),
+where the mask-free key tiles begin and its first query's slot — tiles inside the one document
+of all the tile's queries and before its first query need no visibility mask. Key tiles are
+fetched by `index_map`s that clamp to [first, last], so skipped grid steps copy nothing.
 
-Shapes: B batch, S sequence, Hi index heads, Di index head dim, Tq queries per tile, R = Tq·Hi
-rows, n key blocks per tile, k selected blocks, k8 = k rounded up to 8.
+Query slots (reference.py): each query's slot comes from them (the per-row metadata and the
+tables), so a context-parallel device's chunks select against the whole row of keys.
+
+Shapes: B batch, S queries, T keys (= S without query slots), Hi index heads, Di index head dim,
+Tq queries per tile, R = Tq·Hi rows, n key blocks per tile, k selected blocks, k8 = k rounded up
+to 8.
 """
 
 import dataclasses
@@ -32,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.attention.reference import at_query_slots
 
 NO_SEGMENT = jnp.iinfo(jnp.int32).min  # padded key slots: in no document
 UNSET = 1 << 30  # ids of the top-k's initial (-inf) members: distinct, above every block id
@@ -57,7 +63,8 @@ class Tiling:
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     batch: int
-    seq: int
+    seq: int  # S queries
+    keys: int  # T
     heads: int  # Hi
     block_size: int
     topk: int  # k
@@ -67,14 +74,16 @@ class Geometry:
 
     @classmethod
     def of(
-        cls, index_q_shape: tuple[int, ...], block_size: int, topk_blocks: int,
+        cls, index_q_shape: tuple[int, ...], keys: int, block_size: int, topk_blocks: int,
         local_blocks: int, tiling: Tiling,
     ) -> "Geometry":  # fmt: skip
-        """The geometry of index_q [B, S, Hi, Di] under `tiling`, tiles no longer than S."""
+        """The geometry of index_q [B, S, Hi, Di] against T = `keys` keys under `tiling`, tiles
+        no longer than S and T."""
         batch, seq, heads, _ = index_q_shape
-        num_blocks = -(-seq // block_size)
-        return cls(batch, seq, heads, block_size, min(topk_blocks, num_blocks), local_blocks,
-                   min(tiling.queries, seq), min(tiling.key_blocks, num_blocks))  # fmt: skip
+        num_blocks = -(-keys // block_size)
+        return cls(batch, seq, keys, heads, block_size, min(topk_blocks, num_blocks),
+                   local_blocks, min(tiling.queries, seq),
+                   min(tiling.key_blocks, num_blocks))  # fmt: skip
 
     @property
     def rows(self):  # R
@@ -94,14 +103,14 @@ class Geometry:
 
     @property
     def key_tiles(self):
-        return -(-self.seq // self.key_tile)
+        return -(-self.keys // self.key_tile)
 
 
 def unsupported_reason(index_q: jax.Array, *, block_size: int, tiling: Tiling = Tiling()) -> str:
     """Why the compiled kernel can't take these operands ('' when it can); the interpreters take
     any. Blocks of whole sublane tiles (8 keys in fp32, 16 in bf16), lane-dense rows (R a
     multiple of 128) unless one tile holds every query."""
-    geo = Geometry.of(index_q.shape, block_size, 1, 1, tiling)
+    geo = Geometry.of(index_q.shape, index_q.shape[1], block_size, 1, 1, tiling)
     sublanes = 8 * 4 // max(1, jnp.dtype(index_q.dtype).itemsize)
     if block_size % sublanes:
         return f"selection: {block_size=} is not a multiple of {sublanes} ({index_q.dtype} keys)"
@@ -110,16 +119,19 @@ def unsupported_reason(index_q: jax.Array, *, block_size: int, tiling: Tiling = 
     return ""
 
 
-def _tables(geo, segment_ids, positions):
-    """Scalar prefetch (first key tile [B·tiles], last [tiles], first mask-free key slot [B·tiles])
-    and the per-row metadata [B, 8, tiles·R] int32."""
-    slots = jnp.arange(geo.query_tiles * geo.queries, dtype=jnp.int32)
-    real = slots < geo.seq
-    pad = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, slots.size - geo.seq)))
-    start = jnp.where(real, slots - pad(positions), slots)  # padded queries: documents of one
+def _tables(geo, segment_ids, positions, query_slots):
+    """Scalar prefetch (first key tile [B·tiles], last [tiles], first mask-free key slot
+    [B·tiles], first query's slot [tiles]) and the per-row metadata [B, 8, tiles·R] int32."""
+    index = jnp.arange(geo.query_tiles * geo.queries, dtype=jnp.int32)
+    real = index < geo.seq
+    pad = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, index.size - geo.seq)))
+    slots = index if query_slots is None else pad(query_slots.reshape(1, -1))[0]
+    positions, segment_ids = (at_query_slots(x, query_slots) for x in (positions, segment_ids))
+    start = jnp.where(real, slots - pad(positions), index)  # padded queries: documents of one
     earliest = jnp.where(real, start, NEVER).reshape(geo.batch, geo.query_tiles, -1).min(-1)
     latest = jnp.where(real, start, -1).reshape(geo.batch, geo.query_tiles, -1).max(-1)
-    last_query = jnp.minimum(slots.reshape(geo.query_tiles, -1)[:, -1], geo.seq - 1)
+    by_tile = lambda x, fill: jnp.where(real, x, fill).reshape(geo.query_tiles, -1)  # noqa: E731
+    last_query = jnp.minimum(by_tile(slots, 0).max(-1), geo.keys - 1)
     own = jnp.where(real, pad(positions), 0) // geo.block_size
     shift, residue = jnp.divmod(start, geo.block_size)
     meta = [jnp.broadcast_to(slots, start.shape), pad(segment_ids), shift, residue, own,
@@ -129,6 +141,7 @@ def _tables(geo, segment_ids, positions):
         (earliest // geo.key_tile).reshape(-1),
         last_query // geo.key_tile,
         jnp.where(earliest == latest, earliest, NEVER).reshape(-1),
+        by_tile(slots, NEVER).min(-1),
     )
     return tables, jnp.repeat(meta, geo.heads, axis=2)  # a query's Hi rows share it
 
@@ -191,7 +204,8 @@ def _write_ranked(geo, state, out_ref):
         scores = jnp.where(ids == best_id, -jnp.inf, scores)
 
 
-def _kernel(geo, first, last, mask_free, iq_ref, ik_ref, kseg_ref, meta_ref, out_ref, *scratch):
+def _kernel(geo, first, last, mask_free, first_query, iq_ref, ik_ref, kseg_ref, meta_ref, out_ref,
+            *scratch):  # fmt: skip
     scores_ref, ids_ref, pending_ref = scratch
     b, t, u = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     c = first[b * geo.query_tiles + t] + u
@@ -206,7 +220,7 @@ def _kernel(geo, first, last, mask_free, iq_ref, ik_ref, kseg_ref, meta_ref, out
         pending_ref[...] = jnp.full(pending_ref.shape, -jnp.inf, jnp.float32)
 
     interior = (c * geo.key_tile >= mask_free[b * geo.query_tiles + t]) & (
-        (c + 1) * geo.key_tile <= t * geo.queries + 1
+        (c + 1) * geo.key_tile <= first_query[t] + 1
     )  # every key of the tile in the one document, at or before its first query
 
     @pl.when((c <= last[t]) & interior)
@@ -231,8 +245,8 @@ def _operands(geo, index_q, index_k, segment_ids):
     [B, T', 1], padded to whole query and key tiles."""
     queries, keys = geo.query_tiles * geo.queries, geo.key_tiles * geo.key_tile
     iq = jnp.pad(index_q, ((0, 0), (0, queries - geo.seq), (0, 0), (0, 0)))
-    ik = jnp.pad(index_k, ((0, 0), (0, keys - geo.seq), (0, 0)))
-    kseg = jnp.pad(jnp.asarray(segment_ids, jnp.int32), ((0, 0), (0, keys - geo.seq)),
+    ik = jnp.pad(index_k, ((0, 0), (0, keys - geo.keys), (0, 0)))
+    kseg = jnp.pad(jnp.asarray(segment_ids, jnp.int32), ((0, 0), (0, keys - geo.keys)),
                    constant_values=NO_SEGMENT)  # fmt: skip
     return iq.reshape(geo.batch, queries * geo.heads, -1), ik, kseg[..., None]
 
@@ -244,7 +258,7 @@ def _call(geo, index_dim, interpret):
     key_rows = lambda b, t, u, *p: (b, _key_tile(geo, b, t, u, *p[:2]), 0)
     lanes = lambda b, t, u, *_: (b, 0, t)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(geo.batch, geo.query_tiles, geo.key_tiles),
         in_specs=[
             pl.BlockSpec((None, geo.rows, index_dim), rows),
@@ -281,17 +295,20 @@ def top_blocks(
     block_size: int,
     topk_blocks: int,
     local_blocks: int,
+    query_slots: jax.Array | None = None,
     tiling: Tiling = Tiling(),
     interpret=False,
 ) -> jax.Array:
-    """Same arguments and result as `reference.top_blocks`: [B, S, Hi, min(k, ceil(S / block))]
+    """Same arguments and result as `reference.top_blocks`: [B, S, Hi, min(k, ceil(T / block))]
     int32, in `top_k`'s order. interpret: as `pallas_call` takes it (a bool or
     `pltpu.InterpretParams`)."""
     if not interpret and (reason := unsupported_reason(index_q, block_size=block_size,
                                                           tiling=tiling)):  # fmt: skip
         raise ValueError(reason)
-    geo = Geometry.of(index_q.shape, block_size, topk_blocks, local_blocks, tiling)
-    tables, meta = _tables(geo, jnp.asarray(segment_ids), jnp.asarray(positions))
+    geo = Geometry.of(index_q.shape, index_k.shape[1], block_size, topk_blocks, local_blocks,
+                      tiling)  # fmt: skip
+    slots = None if query_slots is None else jnp.asarray(query_slots)
+    tables, meta = _tables(geo, jnp.asarray(segment_ids), jnp.asarray(positions), slots)
     operands = _operands(geo, *jax.lax.stop_gradient((index_q, index_k)), segment_ids)
     out = _call(geo, index_q.shape[-1], interpret)(*tables, *operands, meta)
     queries = geo.query_tiles * geo.queries

@@ -19,8 +19,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +29,9 @@ from moe_cases import assert_trees_close
 from tiny import tiny_run
 
 from batch_format.batch import Batch, make_batch
-from m3jax import attention_ops, context_parallel, sharding
+from m3jax import context_parallel, sharding
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
-from pallas_kernels.msa import pallas as msa_pallas
-from pallas_kernels.msa import xla as msa_xla
 from pretrain.loss import loss_totals
 from pretrain.train_step import make_loss_fn
 
@@ -130,24 +126,6 @@ def test_a_row_that_does_not_split_into_2n_chunks_is_refused():
         ValueError, match="sequence length 12 is not a multiple of 2 × mesh.seq = 8"
     ):
         context_parallel.to_balanced(jnp.zeros((1, 12)), mesh_of({"seq": 4}))
-
-
-def test_gpu_kernels_take_query_slots_and_tpu_kernels_fall_back_saying_why():
-    config = RUN.model.msa
-    q = k = index_q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
-    for platform, expected in (("gpu", msa_pallas), ("tpu", msa_xla)):
-        with mock.patch.object(attention_ops.jax, "default_backend", lambda: platform):
-            for impl in ("auto", "pallas"):
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    backend = attention_ops.msa_backend(impl, config, q, k, index_q,
-                                                        context_parallel=True)  # fmt: skip
-                assert backend is expected, (platform, impl)
-                said = [str(w.message) for w in caught]
-                if platform == "tpu":
-                    assert "context parallelism (mesh seq > 1)" in said[0]
-                else:
-                    assert not said
 
 
 @pytest.mark.slow

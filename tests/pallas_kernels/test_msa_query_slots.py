@@ -1,6 +1,7 @@
 """Queries at given slots of the key row (`query_slots`, what a context-parallel device passes):
 each query's result equals that of the same token in the whole-row call, for the reference, the
-XLA path and the GPU kernels (Pallas' interpreter) alike, and gradients of the parts add up to the
+XLA path, the GPU kernels (Pallas' interpreter) and the TPU kernels (Pallas' generic interpreter)
+alike, and gradients of the parts add up to the
 whole row's. Without query slots the functions are unchanged: slots 0..T-1 give bit-identical
 results.
 
@@ -17,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_msa_backends import SMALL, inputs
+from test_msa_backends import SMALL, TPU_SMALL, inputs
 
 from pallas_kernels.attention import xla as attention_xla
-from pallas_kernels.msa import pallas, reference, xla
+from pallas_kernels.msa import pallas, reference, tpu, xla
 
 SEQ = 75
 RUNS = np.stack([np.arange(45, 64), np.arange(6, 25)])  # [2, 19]: a later chunk first
@@ -30,6 +31,7 @@ BACKENDS = {  # the module and what its kernels take beyond the shared signature
     "reference": (reference, {}),
     "xla": (xla, {}),
     "pallas": (pallas, {"config": WINDOWS, "interpret": True}),
+    "tpu": (tpu, {"config": TPU_SMALL, "interpret": True}),
 }
 MSA = {"block_size": 16}
 SELECT = {"block_size": 16, "topk_blocks": 2, "local_blocks": 1}
@@ -96,7 +98,7 @@ def test_kernels_refuse_slots_that_are_not_runs():
 
 @pytest.mark.parametrize(
     "backend",
-    ["xla", "pallas", pytest.param("reference", marks=pytest.mark.slow)],  # eager O(S²): 9 s
+    ["xla", "pallas", "tpu", pytest.param("reference", marks=pytest.mark.slow)],  # eager: 9 s
 )
 def test_gradients_of_query_parts_add_up_to_the_whole_row(backend):
     """Queries split in two parts at slots (runs of 25: two, then one), values and student
@@ -138,3 +140,17 @@ def test_bidirectional_attention_at_slots_equals_those_rows():
         q[:, SLOTS], k, v, segments, causal=False, query_slots=jnp.asarray(RUNS)
     )
     np.testing.assert_allclose(part, at_slots(whole), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "tpu"])
+def test_selection_kernels_at_slots_with_many_blocks_before_the_queries(backend):
+    """Blocks of 4 keys (19 of them), so that the early run, which comes second, has many blocks
+    to choose from: a kernel that took a query's place in the array for its slot would skip the
+    causal mask on keys after it."""
+    module, kernel = BACKENDS[backend]
+    _, _, _, index_q, index_k, segments, positions = inputs(seq=SEQ)
+    select = {"block_size": 4, "topk_blocks": 3, "local_blocks": 1}
+    expected = reference.top_blocks(index_q, index_k, segments, positions, **select)
+    got = module.top_blocks(index_q[:, SLOTS], index_k, segments, positions, **select,
+                            query_slots=jnp.asarray(RUNS), **kernel)  # fmt: skip
+    np.testing.assert_array_equal(np.sort(np.asarray(got), -1), np.sort(at_slots(expected), -1))
