@@ -44,7 +44,6 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.attention.reference import at_query_slots
-
 from pallas_kernels.msa import (
     backward_kernel,
     block_lists,
