@@ -22,6 +22,9 @@ def test_parse_tiling_sets_fields_of_each_part():
     assert config.backward.rows == default.backward.rows  # untouched fields keep their defaults
     with pytest.raises(TypeError):
         bench_msa.parse_tiling("forward.no_such_field=1")
+    own = bench_msa.parse_tiling("teacher_bytes=8589934592,forward.rows=32")
+    assert own.teacher_bytes == 8 << 30 and own.forward.rows == 32
+    assert own.partial_bytes == default.partial_bytes
 
 
 def test_phase_filter_keeps_the_cudnn_baseline_of_what_is_timed():
