@@ -11,8 +11,9 @@ time is known:
 1. `--steps` steps alone: the median step time T.
 2. `--saves` times: `session.save(step, loader)` after a step, as pretrain/train.py calls it
    (the finiteness check, then Orbax's save, which copies the state to the host before it
-   returns and writes files in background threads), then steps until `Checkpoints.poll` says
-   the save is complete. The save's cost is the time the call blocked plus what the steps run
+   returns and writes files in background threads; where the device has room, of a device copy
+   of the state and in a thread of its own: `in_background`, pretrain/state_copy.py), then
+   steps until `Checkpoints.poll` says the save is complete. The save's cost is the time the call blocked plus what the steps run
    meanwhile took beyond T:
 
        cost = blocked + sum(step_i - T for the steps while the save was in progress)
@@ -57,13 +58,15 @@ def one_save(session: TrainingSession, loader, batch, mode, step: int, step_s: f
     start = time.perf_counter()
     session.save(step, loader)
     blocked = time.perf_counter() - start
+    in_background = session.checkpoints.saving_in_background
     during = []
     while session.run.checkpoint.async_save and session.checkpoints.poll() is None:
         during.append(timed_step(session, batch, mode))
     complete = time.perf_counter() - start
     cost = blocked + sum(t - step_s for t in during)
     return {"step": step, "blocked_s": blocked, "complete_s": complete,
-            "steps_during": len(during), "cost_s": cost, "cost_of_step": cost / step_s}  # fmt: skip
+            "in_background": in_background, "steps_during": len(during), "cost_s": cost,
+            "cost_of_step": cost / step_s}  # fmt: skip
 
 
 def fresh_checkpoints(session: TrainingSession, directory: pathlib.Path) -> None:
@@ -127,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         "worst_cost_of_step": worst, "below_target": worst < SAVE_TARGET,
         "cost_of_interval": worst / run.checkpoint.every_steps,
     }  # fmt: skip
-    print(f"\n| save | blocked s | complete s | steps meanwhile | cost s | of one step "
-          f"({step_s * 1e3:.0f} ms) |\n|---|---|---|---|---|---|")  # fmt: skip
+    print(f"\n| save | device copy | blocked s | complete s | steps meanwhile | cost s | of one "
+          f"step ({step_s * 1e3:.0f} ms) |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for s in saves:
-        print(f"| step {s['step']} | {s['blocked_s']:.2f} | {s['complete_s']:.2f} | "
-              f"{s['steps_during']} | {s['cost_s']:.3f} | {100 * s['cost_of_step']:.1f} % |")
+        print(f"| step {s['step']} | {'yes' if s['in_background'] else 'no'} | "
+              f"{s['blocked_s']:.3f} | {s['complete_s']:.2f} | {s['steps_during']} | "
+              f"{s['cost_s']:.3f} | {100 * s['cost_of_step']:.1f} % |")
     print(json.dumps(report), flush=True)
     return 0
 

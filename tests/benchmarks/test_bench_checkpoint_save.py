@@ -15,6 +15,8 @@ from m3jax.config_loading import to_mapping
 class _FakeCheckpoints:
     """A save that completes after `polls` polls."""
 
+    saving_in_background = True
+
     def __init__(self, polls: int):
         self.polls = polls
 
@@ -31,7 +33,7 @@ def test_cost_is_blocked_time_plus_the_slowdown_of_the_steps_meanwhile(monkeypat
     )
     monkeypatch.setattr(bench_checkpoint_save, "timed_step", lambda *args: 1.25)
     save = bench_checkpoint_save.one_save(session, None, None, None, step=7, step_s=1.0)
-    assert save["steps_during"] == 3
+    assert save["steps_during"] == 3 and save["in_background"]
     assert save["cost_s"] == pytest.approx(save["blocked_s"] + 3 * 0.25)
     assert save["cost_of_step"] == pytest.approx(save["cost_s"] / 1.0)
 
@@ -49,6 +51,7 @@ def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
     assert [s["step"] for s in report["saves"]] == [4, 4 + report["saves"][0]["steps_during"] + 1]
     for save in report["saves"]:
         assert save["complete_s"] >= save["blocked_s"] > 0
+        assert save["in_background"] == async_save  # a device copy where async (CPU: room)
         if not async_save:  # a synchronous save is all blocking: no step runs meanwhile
             assert save["steps_during"] == 0 and save["cost_s"] == save["blocked_s"]
     assert report["worst_cost_of_step"] == report["saves"][1]["cost_of_step"]

@@ -1,0 +1,125 @@
+"""Async saves of a device copy of the state (pretrain/state_copy.py): Orbax's copy to the host runs
+in a background thread while the steps after the save donate the live state, and the checkpoint
+still holds the state of its step; a device without room, or `device_copy: false`, saves on the
+caller's thread; a failure in the background is raised by `wait` as a one-line save error."""
+
+import errno
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pretrain import state_copy
+from pretrain.checkpointing import Checkpoints, CheckpointSaveError
+from pretrain.config import CheckpointConfig
+
+
+def _state() -> dict:
+    keys = jax.random.split(jax.random.key(0), 3)
+    return {
+        "params": {"w": jax.random.normal(keys[0], (256, 128)), "b": jnp.zeros(128)},
+        "opt_state": {"mu": jax.random.normal(keys[1], (256, 128), jnp.bfloat16)},
+        "step": jnp.asarray(7, jnp.int32),
+    }
+
+
+# A step as in training: the state it is given is donated, so its buffers are gone once it ran
+_step = jax.jit(lambda state: jax.tree.map(lambda x: x + 1, state), donate_argnums=0)
+
+
+def _save_then_step(checkpoints: Checkpoints, state: dict) -> tuple[dict, bool]:
+    """Saves `state` at step 1, then runs donating steps on it until the save is complete;
+    returns (the host values saved, whether the save ran in the background)."""
+    expected = jax.device_get(state)
+    checkpoints.save(1, state, {"position": 1}, {"tokens_seen": 1})
+    in_background = checkpoints.saving_in_background
+    for _ in range(3):
+        state = jax.block_until_ready(_step(state))
+    checkpoints.wait()
+    assert checkpoints.latest_step() == 1
+    return expected, in_background
+
+
+def _restored(checkpoints: Checkpoints, like: dict) -> dict:
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
+    )
+    return checkpoints.restore(1, abstract)[0]
+
+
+def _assert_equal(restored: dict, expected: dict) -> None:
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+
+
+def test_background_save_holds_the_state_of_its_step_while_later_steps_donate_it(tmp_path):
+    checkpoints = Checkpoints(tmp_path, CheckpointConfig())
+    expected, in_background = _save_then_step(checkpoints, _state())
+    assert in_background
+    _assert_equal(_restored(checkpoints, _state()), expected)
+    checkpoints.close()
+
+
+@pytest.mark.parametrize("why", ["no room", "device_copy off", "sync save"])
+def test_without_a_device_copy_the_save_runs_on_the_callers_thread(tmp_path, monkeypatch, why):
+    config = CheckpointConfig(device_copy=why != "device_copy off", async_save=why != "sync save")
+    if why == "no room":
+        monkeypatch.setattr(state_copy.DeviceCopies, "has_room", lambda self, state: False)
+    checkpoints = Checkpoints(tmp_path, config)
+    expected, in_background = _save_then_step(checkpoints, _state())
+    assert not in_background
+    _assert_equal(_restored(checkpoints, _state()), expected)
+    checkpoints.close()
+
+
+def test_a_background_save_failure_is_raised_by_wait_and_leaves_no_checkpoint(tmp_path):
+    checkpoints = Checkpoints(tmp_path, CheckpointConfig())
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    checkpoints._manager.save = disk_full
+    checkpoints.save(1, _state(), {"position": 1}, {"tokens_seen": 1})
+    assert checkpoints.saving_in_background
+    with pytest.raises(CheckpointSaveError, match=r"step 1 failed: .*No space left on device"):
+        checkpoints.wait()
+    assert checkpoints.wait() is None  # reported once
+    assert checkpoints.all_steps() == []
+    checkpoints.close()
+
+
+def _device_stats(limit: int, peak: int):
+    return lambda device: {"bytes_limit": limit, "peak_bytes_in_use": peak}
+
+
+def test_room_is_a_second_state_beside_the_steps_peak_plus_the_margin():
+    state = _state()
+    (needed,) = state_copy.bytes_per_device(state).values()
+    assert needed == sum(x.nbytes for x in jax.tree.leaves(state))
+    limit = 1 << 30
+    spare = math.ceil(state_copy.MARGIN * limit)
+    fits = limit - needed - spare  # the highest peak that leaves room
+    assert state_copy.DeviceCopies(_device_stats(limit, fits)).has_room(state)
+    assert not state_copy.DeviceCopies(_device_stats(limit, fits + 1)).has_room(state)
+    assert state_copy.DeviceCopies(lambda device: None).has_room(state)  # CPU: host memory
+
+
+def test_a_copy_made_is_taken_off_the_peak_it_raised():
+    state = _state()
+    (needed,) = state_copy.bytes_per_device(state).values()
+    limit = 1 << 30
+    peak = limit - needed - math.ceil(state_copy.MARGIN * limit)  # room for one copy, just
+    stats = {"bytes_limit": limit, "peak_bytes_in_use": peak}
+    copies = state_copy.DeviceCopies(lambda device: stats)
+    assert copies.has_room(state)
+    copy = copies.copy(state)
+    stats["peak_bytes_in_use"] += needed  # the next steps ran beside the copy
+    assert copies.has_room(state)  # the steps' own peak has not grown
+    stats["peak_bytes_in_use"] += 1  # ... now it has
+    assert not copies.has_room(state)
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(copy), strict=True):
+        assert x.sharding == y.sharding
+        assert x.unsafe_buffer_pointer() != y.unsafe_buffer_pointer()  # new buffers
+        np.testing.assert_array_equal(x, y)
