@@ -9,10 +9,10 @@ Restores go onto the current mesh: the abstract target carries the shardings. On
 complete the memory it freed is handed back to the OS (pretrain/host_memory.py), so host memory
 does not grow save after save.
 
-An async save (`checkpoint.async_save`) of a single-process run copies the state on its devices
-where they have room (pretrain/state_copy.py, `checkpoint.device_copy`) and hands that copy to
-Orbax in a background thread, whose wait for the device-to-host copy then overlaps the following
-steps; otherwise Orbax's save blocks the caller until the state is on the host. With several
+With `checkpoint.device_copy` (opt-in), an async save of a single-process run copies the state
+on its devices where they have room (pretrain/state_copy.py) and hands that copy to Orbax in a
+background thread, whose wait for the device-to-host copy then overlaps the following steps;
+otherwise Orbax's save blocks the caller until the state is on the host. With several
 processes the save stays on the caller's thread: Orbax's barriers there are device collectives,
 which must not interleave with the steps'.
 

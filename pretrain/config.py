@@ -153,9 +153,10 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
-    # Async saves copy the state on its devices where they have room for a second one, so the
-    # copy to the host also runs beside the steps (false: the save waits for it; single-process)
-    device_copy: bool = True
+    # Async saves copy the state on its devices where they have room for a second one and move
+    # that copy to the host in a thread, beside the steps (single-process). Off by default: on the
+    # H200 the steps meanwhile slowed by what the save stopped blocking (benchmarks/RESULTS.md)
+    device_copy: bool = False
     # An unreadable latest checkpoint: restore the newest intact older one (false: stop instead)
     restore_older_if_corrupt: bool = True
 

@@ -41,7 +41,7 @@ def test_cost_is_blocked_time_plus_the_slowdown_of_the_steps_meanwhile(monkeypat
 @pytest.mark.slow  # ≈15 s on 2 cores per case, mostly compiling the tiny step
 @pytest.mark.parametrize("async_save", [True, False])
 def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
-    run = tiny_run(checkpoint={"async_save": async_save})
+    run = tiny_run(checkpoint={"async_save": async_save, "device_copy": True})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(to_mapping(run)))
     directory = tmp_path / "checkpoints"

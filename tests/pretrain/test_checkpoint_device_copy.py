@@ -1,7 +1,8 @@
 """Async saves of a device copy of the state (pretrain/state_copy.py): Orbax's copy to the host runs
 in a background thread while the steps after the save donate the live state, and the checkpoint
 still holds the state of its step; a device without room, or `device_copy: false`, saves on the
-caller's thread; a failure in the background is raised by `wait` as a one-line save error."""
+caller's thread (the default: `device_copy` is opt-in); a failure in the background is raised by
+`wait` as a one-line save error."""
 
 import errno
 import math
@@ -55,7 +56,7 @@ def _assert_equal(restored: dict, expected: dict) -> None:
 
 
 def test_background_save_holds_the_state_of_its_step_while_later_steps_donate_it(tmp_path):
-    checkpoints = Checkpoints(tmp_path, CheckpointConfig())
+    checkpoints = Checkpoints(tmp_path, CheckpointConfig(device_copy=True))
     expected, in_background = _save_then_step(checkpoints, _state())
     assert in_background
     _assert_equal(_restored(checkpoints, _state()), expected)
@@ -75,7 +76,7 @@ def test_without_a_device_copy_the_save_runs_on_the_callers_thread(tmp_path, mon
 
 
 def test_a_background_save_failure_is_raised_by_wait_and_leaves_no_checkpoint(tmp_path):
-    checkpoints = Checkpoints(tmp_path, CheckpointConfig())
+    checkpoints = Checkpoints(tmp_path, CheckpointConfig(device_copy=True))
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
