@@ -11,16 +11,18 @@ time is known:
 1. `--steps` steps alone: the median step time T.
 2. `--saves` times: `session.save(step, loader)` after a step, as pretrain/train.py calls it
    (the finiteness check, then Orbax's save, which copies the state to the host before it
-   returns and writes files in background threads; where the device has room, of a device copy
-   of the state and in a thread of its own: `in_background`, pretrain/state_copy.py), then
-   steps until `Checkpoints.poll` says the save is complete. The save's cost is the time the call blocked plus what the steps run
-   meanwhile took beyond T:
+   returns and writes files in background threads; with `checkpoint.device_copy`, where the
+   device has room, Orbax saves a device copy of the state from a thread of its own:
+   `in_background`, pretrain/state_copy.py), then steps until `Checkpoints.poll` says the save
+   is complete. The save's cost is the time the call blocked plus what the steps run meanwhile
+   took beyond T:
 
        cost = blocked + sum(step_i - T for the steps while the save was in progress)
 
    reported as a fraction of one step (cost / T) and of the checkpoint interval
    (cost / (checkpoint.every_steps x T)); the verdict takes the worst save after the first
-   (the first also sets Orbax's machinery up, once per run; it is listed too).
+   (the first also sets Orbax's machinery up, once per run; it is listed too). The first 8 of
+   those step times are listed too: whether a save slows the step right after it or many.
 
 Each save writes into an emptied `--dir`, which must hold one copy of the state (its size is
 printed first); the directory is removed at the end.
@@ -66,7 +68,8 @@ def one_save(session: TrainingSession, loader, batch, mode, step: int, step_s: f
     cost = blocked + sum(t - step_s for t in during)
     return {"step": step, "blocked_s": blocked, "complete_s": complete,
             "in_background": in_background, "steps_during": len(during), "cost_s": cost,
-            "cost_of_step": cost / step_s}  # fmt: skip
+            "cost_of_step": cost / step_s,
+            "first_steps_ms": [round(t * 1e3, 1) for t in during[:8]]}  # fmt: skip
 
 
 def fresh_checkpoints(session: TrainingSession, directory: pathlib.Path) -> None:

@@ -34,6 +34,7 @@ def test_cost_is_blocked_time_plus_the_slowdown_of_the_steps_meanwhile(monkeypat
     monkeypatch.setattr(bench_checkpoint_save, "timed_step", lambda *args: 1.25)
     save = bench_checkpoint_save.one_save(session, None, None, None, step=7, step_s=1.0)
     assert save["steps_during"] == 3 and save["in_background"]
+    assert save["first_steps_ms"] == [1250.0] * 3
     assert save["cost_s"] == pytest.approx(save["blocked_s"] + 3 * 0.25)
     assert save["cost_of_step"] == pytest.approx(save["cost_s"] / 1.0)
 
