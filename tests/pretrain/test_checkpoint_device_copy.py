@@ -6,11 +6,14 @@ caller's thread (the default: `device_copy` is opt-in); a failure in the backgro
 
 import errno
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pretrain import state_copy
 from pretrain.checkpointing import Checkpoints, CheckpointSaveError
@@ -18,26 +21,39 @@ from pretrain.config import CheckpointConfig
 
 
 def _state() -> dict:
+    """Leaves sharded over every device and replicated, as a train state's."""
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     keys = jax.random.split(jax.random.key(0), 3)
-    return {
+    state = {
         "params": {"w": jax.random.normal(keys[0], (256, 128)), "b": jnp.zeros(128)},
         "opt_state": {"mu": jax.random.normal(keys[1], (256, 128), jnp.bfloat16)},
         "step": jnp.asarray(7, jnp.int32),
     }
+    shardings = jax.tree.map(lambda x: rows if x.ndim == 2 else replicated, state)
+    return jax.device_put(state, shardings)
 
 
 # A step as in training: the state it is given is donated, so its buffers are gone once it ran
 _step = jax.jit(lambda state: jax.tree.map(lambda x: x + 1, state), donate_argnums=0)
 
 
-def _save_then_step(checkpoints: Checkpoints, state: dict) -> tuple[dict, bool]:
-    """Saves `state` at step 1, then runs donating steps on it until the save is complete;
-    returns (the host values saved, whether the save ran in the background)."""
-    expected = jax.device_get(state)
+_to_host = jax.device_get
+
+
+def _save_then_step(
+    checkpoints: Checkpoints, state: dict, stepped: threading.Event | None = None
+) -> tuple[dict, bool]:
+    """Saves `state` at step 1, then runs donating steps on it (and sets `stepped`) and waits for
+    the save; returns (the host values saved, whether the save ran in the background)."""
+    # read from a twin: a host read of `state` itself would keep it from being donated on CPU
+    expected = _to_host(_state())
     checkpoints.save(1, state, {"position": 1}, {"tokens_seen": 1})
     in_background = checkpoints.saving_in_background
     for _ in range(3):
         state = jax.block_until_ready(_step(state))
+    if stepped is not None:
+        stepped.set()
     checkpoints.wait()
     assert checkpoints.latest_step() == 1
     return expected, in_background
@@ -51,13 +67,25 @@ def _restored(checkpoints: Checkpoints, like: dict) -> dict:
 
 
 def _assert_equal(restored: dict, expected: dict) -> None:
-    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+    """Values, and on the devices of the target's shardings (host arrays were saved)."""
+    like = _state()
+    for x, y, z in zip(*map(jax.tree.leaves, (restored, expected, like)), strict=True):
+        assert isinstance(x, jax.Array) and x.sharding == z.sharding
         np.testing.assert_array_equal(np.asarray(x), y)
 
 
-def test_background_save_holds_the_state_of_its_step_while_later_steps_donate_it(tmp_path):
+def test_background_save_holds_the_state_of_its_step_while_later_steps_donate_it(
+    tmp_path, monkeypatch
+):
+    stepped = threading.Event()
+
+    def after_the_steps(tree):  # the thread's copy to the host waits until the state is donated
+        assert stepped.wait(timeout=60)
+        return _to_host(tree)
+
+    monkeypatch.setattr(jax, "device_get", after_the_steps)
     checkpoints = Checkpoints(tmp_path, CheckpointConfig(device_copy=True))
-    expected, in_background = _save_then_step(checkpoints, _state())
+    expected, in_background = _save_then_step(checkpoints, _state(), stepped)
     assert in_background
     _assert_equal(_restored(checkpoints, _state()), expected)
     checkpoints.close()
@@ -97,8 +125,12 @@ def _device_stats(limit: int, peak: int):
 
 def test_room_is_a_second_state_beside_the_steps_peak_plus_the_margin():
     state = _state()
-    (needed,) = state_copy.bytes_per_device(state).values()
-    assert needed == sum(x.nbytes for x in jax.tree.leaves(state))
+    held = state_copy.bytes_per_device(state)
+    assert set(held) == set(jax.devices())
+    sharded = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim == 2)
+    replicated = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim < 2)
+    assert all(n == sharded // jax.device_count() + replicated for n in held.values())
+    needed = max(held.values())
     limit = 1 << 30
     spare = math.ceil(state_copy.MARGIN * limit)
     fits = limit - needed - spare  # the highest peak that leaves room
@@ -109,7 +141,7 @@ def test_room_is_a_second_state_beside_the_steps_peak_plus_the_margin():
 
 def test_a_copy_made_is_taken_off_the_peak_it_raised():
     state = _state()
-    (needed,) = state_copy.bytes_per_device(state).values()
+    needed = max(state_copy.bytes_per_device(state).values())
     limit = 1 << 30
     peak = limit - needed - math.ceil(state_copy.MARGIN * limit)  # room for one copy, just
     stats = {"bytes_limit": limit, "peak_bytes_in_use": peak}
@@ -122,5 +154,6 @@ def test_a_copy_made_is_taken_off_the_peak_it_raised():
     assert not copies.has_room(state)
     for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(copy), strict=True):
         assert x.sharding == y.sharding
-        assert x.unsafe_buffer_pointer() != y.unsafe_buffer_pointer()  # new buffers
+        for a, b in zip(x.addressable_shards, y.addressable_shards, strict=True):
+            assert a.data.unsafe_buffer_pointer() != b.data.unsafe_buffer_pointer()  # new buffers
         np.testing.assert_array_equal(x, y)
