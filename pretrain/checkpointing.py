@@ -171,9 +171,8 @@ class Checkpoints:
         return self._background is not None
 
     def close(self) -> None:
-        if self._background is not None:  # its outcome, if not yet waited for, is dropped
-            self._background.join()
-            self._background = None
+        with contextlib.suppress(Exception):  # a save's outcome, if not yet waited for, is dropped
+            self._join_background()
         self._manager.close()
         self._remove_leftovers()
         self._quiet.close()
