@@ -36,7 +36,6 @@ variants and checks.
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import time
@@ -345,16 +344,7 @@ def compare_query_runs(seq: int, config) -> dict:
 def parse_tiling(text: str) -> pallas.Config:
     """'forward.rows=64,backward.num_warps=8,teacher_bytes=8589934592' -> a kernel Config (a
     tiling's field, or one of the Config's own integer fields)."""
-    config = pallas.Config()
-    for item in filter(None, text.split(",")):
-        name, value = item.split("=")
-        part, _, field = name.rpartition(".")
-        if part:  # a tiling's field
-            tiling = dataclasses.replace(getattr(config, part), **{field: int(value)})
-            config = dataclasses.replace(config, **{part: tiling})
-        else:  # one of the Config's own
-            config = dataclasses.replace(config, **{field: int(value)})
-    return config
+    return pallas.Config().with_fields(filter(None, text.split(",")))
 
 
 def wanted(variant: str, phases: list[str]) -> bool:

@@ -31,7 +31,6 @@ out of memory leaves nothing behind for the next; each child measures the matmul
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -92,17 +91,12 @@ DEVICES = "devices="  # a variant's device count: its own process sees that many
 
 def pinned_kernels(overrides: list[str]) -> contextlib.AbstractContextManager:
     """Runs the MSA Pallas kernels under the `pallas.Config` that the `kernels.<field>=value`
-    overrides name (a value of digits is an int, any other a string)."""
-    fields = {f.name for f in dataclasses.fields(msa_pallas.Config)}
-    pinned = {}
-    for override in overrides:
-        name, _, value = override.removeprefix(KERNELS).partition("=")
-        if name not in fields:
-            raise ValueError(f"{override!r}: pallas.Config has no field {name!r}")
-        pinned[name] = int(value) if value.isdigit() else value
+    overrides name (`pallas.Config.with_fields`: a tiling's field as
+    `kernels.mosaic_backward.warpgroups=2`)."""
+    pinned = [override.removeprefix(KERNELS) for override in overrides]
+    config = msa_pallas.Config().with_fields(pinned)
     if not pinned:
         return contextlib.nullcontext()
-    config = msa_pallas.Config(**pinned)
     stack = contextlib.ExitStack()
     for name in ("sparse_attention", "unsupported_reason"):
         function = getattr(msa_pallas, name)

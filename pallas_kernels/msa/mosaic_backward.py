@@ -20,6 +20,12 @@ per-segment buffer (`segment_bound` segments) and XLA adds them into the keys' r
 With the indexer's student a second kernel (mosaic_student.py) walks the same items for d(index_q)
 and d(index_k), its own kernel so that the main one's registers stay with dK and dV.
 
+`Tiling.warpgroups = 2` (paired; opt-in, not yet timed on a GPU) takes both halves of a segment
+in one program, one warpgroup each: the chunks' Q and dO are copied once for both, and the dQ
+share of an entry is summed over the block in the kernel (each warpgroup computes half its
+columns from both halves' dSᵀ), so that it is stored once instead of once per half and XLA
+reads half the bytes (bench-h200's per-query sum of the shares: 17.5 ms a step).
+
 On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, index 4×128, top-16, bf16), the layer's
 selection, forward (with its KL) and backward took 376 ms at S = 128K (cuDNN dense: 1,734 ms) and
 84 ms at 32K (cuDNN: 108); a profile at 128K: 89 ms in the gradients kernel, 55 ms in the
@@ -60,11 +66,12 @@ def shared_bytes(
     tiling: Tiling, head_dim: int, index_dim: int = 0, group: int = 8, itemsize: int = 2
 ) -> int:
     """Shared memory of one program of either kernel (`_scratch` and the student's allocate the
-    same): the key half's operands, the rings of Q and dO, Pᵀ and dSᵀ, the dQ staging and the
-    fp32 sums, key segment ids and per-row words; the larger of the two kernels."""
-    rows, stages, keys = tiling.rows, tiling.stages, PART_KEYS
+    same): the key halves' operands, the rings of Q and dO, Pᵀ and dSᵀ, the dQ staging and the
+    fp32 sums (in column halves with two warpgroups), key segment ids and per-row words; the
+    larger of the two kernels."""
+    rows, stages, keys = tiling.rows, tiling.stages, tiling.warpgroups * PART_KEYS
     tiles_ = (2 * keys + 2 * stages * rows + rows) * head_dim + 2 * keys * rows
-    main = tiles_ * itemsize + 4 * (keys * head_dim + keys + 4 * stages * rows)
+    main = tiles_ * itemsize + 4 * (PART_KEYS * head_dim + keys + 4 * stages * rows)
     if not index_dim:
         return main
     return max(main, mosaic_student.shared_bytes(index_dim, itemsize))
@@ -76,8 +83,11 @@ def unsupported_reason(
     """Why the Mosaic backward can't take these operands ('' when it can): the forward's limits
     (`mosaic_forward.unsupported_reason`: dtype, tiles, block size) and its own shared memory."""
     reason = mosaic_forward.unsupported_reason(
-        dtype, group, head_dim, block_size, tiling, index_dim
+        dtype, group, head_dim, block_size, tiling, index_dim, warpgroups=(1, KEY_PARTS)
     )
+    halves = KEY_PARTS * mosaic_forward.HEAD_DIM_MULTIPLE  # two warpgroups' dQ columns
+    if not reason and tiling.warpgroups == KEY_PARTS and head_dim % halves:
+        reason = f"head_dim={head_dim} does not split into two warpgroups' dQ columns"
     if reason or (needed := shared_bytes(tiling, head_dim, index_dim, group)) <= SHARED_BYTES:
         return reason
     return (
@@ -119,9 +129,10 @@ def sum_partials(geo: chunks.Geometry, table, num_segments, partials, bound: int
 
 def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,
                      window: dict, keys, index_keys=None, *, interpret: bool = False):  # fmt: skip
-    """One window's gradients: (dq shares [KEY_PARTS, E, G, Dh] in q's dtype at sorted
-    positions, dk and dv sums [B, S, K, Dh] fp32; with a student also d(index_q) shares
-    [1, E, Di] fp32 and d(index_k) sums [B, S, 1, Di] fp32, else None, None).
+    """One window's gradients: (dq shares [parts, E, G, Dh] in q's dtype at sorted positions
+    (parts: KEY_PARTS, or 1 with paired warpgroups), dk and dv sums [B, S, K, Dh] fp32; with a
+    student also d(index_q) shares [1, E, Di] fp32 and d(index_k) sums [B, S, 1, Di] fp32, else
+    None, None).
 
     window: q, d_out [B, W, H, Dh], lse, delta [B, W, K, G], segment_ids [B, S], offset; with a
     student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K]. keys: `shifted_keys` of k, v,
@@ -133,15 +144,20 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     values = mosaic_forward.row_values(geo, lists, [w["lse"], w["delta"]])
     operands = dict(**chunk_walk.operands(), k=keys[0], kseg=keys[2], values=values)
     operands["count"] = jnp.minimum(operands["count"], bound)
-    per_entry = entry_rows(geo.group)
+    per_entry, paired = entry_rows(geo.group), tiling.warpgroups == KEY_PARTS
+    # dQ shares [2·E·Ge, columns]: per key half, or with paired warpgroups one per entry, in
+    # column halves (each warpgroup's)
     rows = KEY_PARTS * geo.entries * per_entry
+    shares = (rows, geo.head_dim // (KEY_PARTS if paired else 1))
     sums = jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, geo.head_dim), jnp.float32)
-    outputs = dict(dq=jax.ShapeDtypeStruct((rows, geo.head_dim), w["q"].dtype), dk=sums, dv=sums)
+    outputs = dict(dq=jax.ShapeDtypeStruct(shares, w["q"].dtype), dk=sums, dv=sums)
     gradients = dict(operands, do=mosaic_forward.sorted_rows(geo, lists, w["d_out"]), v=keys[1])
     results = _launch(geo, tiling, gradients, outputs, interpret)
     summed = functools.partial(sum_partials, geo, chunk_walk.table, lists.num_segments,
                                bound=bound)  # fmt: skip
     dq = results["dq"].reshape(KEY_PARTS, geo.entries, per_entry, -1)[:, :, : geo.group]
+    if paired:
+        dq = jnp.concatenate(list(dq), axis=-1)[None]
     dk, dv = (summed(results[name], heads=geo.num_kv_heads) for name in ("dk", "dv"))
     if index_keys is None:
         return dq, dk, dv, None, None
@@ -152,69 +168,140 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
 
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
     """The gradients kernel: one persistent kernel over the (segment, key half) items -> dq
-    shares (stored per chunk), dk and dv sums (per item) by name."""
-    rows, stages, dtype = tiling.rows, tiling.stages, operands["q"].dtype
+    shares (stored per chunk), dk and dv sums (per item) by name.
+
+    With `tiling.warpgroups = 2` (paired) an item is a whole segment, one warpgroup a key half:
+    one ring of Q and dO chunks for both (half the loads), and one dQ share per entry, dS·K over
+    the block's 128 keys, each warpgroup computing and storing half its columns from both
+    halves' dSᵀ (half the shares' bytes, no sum over key halves in XLA). The warpgroups meet
+    twice a chunk: once both dSᵀ are in shared memory, once both have read them and the ring
+    slot (warpgroup 0 then refills it). Each stores its dK, dV sums in column halves."""
+    stages, dtype, paired = tiling.stages, operands["q"].dtype, tiling.warpgroups == KEY_PARTS
     queries, per_entry = geo.chunk_queries, entry_rows(geo.group)
-    block_operands = ["k", "v", "kseg"]
+    block_operands, columns = ["k", "v", "kseg"], geo.head_dim // tiling.warpgroups
     chunk_math = functools.partial(_gradients_chunk, geo, dtype,
                                    functools.partial(wgmmas, interpret))  # fmt: skip
 
     def kernel(*refs, **smem):
         ref = dict(zip([*operands, *outputs], refs))
 
-        def item_body(index, part):
-            item = open_item(geo, tiling, ref, smem, index, part, block_operands, ["q", "do"])
+        def meet():
+            plgpu.barrier_arrive(smem["pair_bar"])
+            plgpu.barrier_wait(smem["pair_bar"])
 
-            def chunk_body(chunk, accumulators):
-                seen, values = chunk_rows(geo, tiling, smem, item, chunk)
-                accumulators, dq = chunk_math(smem, chunk % stages, seen, values, accumulators)
-                release_chunk(tiling, item, chunk)
-                start = (part * geo.entries + item.first + chunk * queries) * per_entry
-                store_chunk(geo, smem, ref, {"dq": dq}, start, item.count - chunk * queries)
-                return accumulators
+        def program(half: int | None):  # half: the paired warpgroup's key half, else None
+            own = smem
+            if paired:
+                own = {name: half_of(smem[name], half) for name in ("k", "v", "kseg", "p", "ds",
+                                                                    "dq_out", "sum_out")}
+                own = dict(smem, **own, key_bars=smem[f"key_bars{half}"])  # fmt: skip
 
-            accumulators = tuple(zeros((PART_KEYS, geo.head_dim)) for _ in range(2))
-            accumulators = jax.lax.fori_loop(0, item.num_chunks, chunk_body, accumulators)
-            target = pl.ds((index * KEY_PARTS + part) * PART_KEYS, PART_KEYS)
-            for name, value in zip(("dk", "dv"), accumulators):
-                store_sum(smem, ref, name, value, target)
+            def item_body(index, part):
+                part = part if half is None else half
+                item = open_item(geo, tiling, ref, own, index, part, block_operands, ["q", "do"],
+                                 fetches=half in (None, 0))  # fmt: skip
 
-        program = jax.lax.axis_index("sm")
-        chunks.for_each_segment((None,) * 4 + (ref["count"],), item_body, KEY_PARTS,
-                                grid=(program, mosaic_forward.num_programs(tiling)))  # fmt: skip
-        plgpu.wait_smem_to_gmem(0)
+                def chunk_body(chunk, accumulators):
+                    seen, values = chunk_rows(geo, tiling, own, item, chunk)
+                    accumulators, dq = chunk_math(smem, own, half, meet, chunk % stages, seen,
+                                                  values, accumulators)  # fmt: skip
+                    if paired:
+                        plgpu.commit_smem()
+                        meet()  # both have read this chunk's ring slot and dSᵀ
+                    release_chunk(tiling, item, chunk)
+                    start = (part * geo.entries + item.first + chunk * queries) * per_entry
+                    store_chunk(geo, own, ref, {"dq": dq}, start, item.count - chunk * queries)
+                    return accumulators
+
+                accumulators = tuple(zeros((PART_KEYS, geo.head_dim)) for _ in range(2))
+                accumulators = jax.lax.fori_loop(0, item.num_chunks, chunk_body, accumulators)
+                keys = pl.ds((index * KEY_PARTS + part) * PART_KEYS, PART_KEYS)
+                for name, value in zip(("dk", "dv"), accumulators):
+                    for first in range(0, geo.head_dim, columns):
+                        part_of = value if not paired else value[:, first : first + columns]
+                        target = keys if not paired else (keys, pl.ds(first, columns))
+                        store_sum(own, ref, name, part_of, target)
+
+            grid = (jax.lax.axis_index("sm"), mosaic_forward.num_programs(tiling))
+            chunks.for_each_segment((None,) * 4 + (ref["count"],), item_body,
+                                    1 if paired else KEY_PARTS, grid=grid)  # fmt: skip
+            plgpu.wait_smem_to_gmem(0)
+
+        if not paired:
+            return program(None)
+        wg = jax.lax.axis_index("wg")
+        for half in range(KEY_PARTS):
+            pl.when(wg == half)(functools.partial(program, half))
 
     kernel.__name__ = "msa_mosaic_backward"  # profiles show the kernel by its function's name
+    scratch = _paired_scratch if paired else _scratch
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
-        scratch_types=_scratch(geo, tiling, dtype, len(block_operands)),
+        scratch_types=scratch(geo, tiling, dtype, len(block_operands)),
         grid=(mosaic_forward.num_programs(tiling),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **(dict(num_threads=KEY_PARTS, thread_name="wg") if paired else {}),
     )
     return dict(zip(outputs, run(*operands.values())))
 
 
-def _gradients_chunk(geo, dtype, wgmmas, smem, slot, seen, values, accumulators):
-    """A chunk's dK, dV sums and dQ share (module docstring)."""
+def _gradients_chunk(geo, dtype, wgmmas, smem, own, half, meet, slot, seen, values, accumulators):
+    """A chunk's dK, dV sums and dQ share (module docstring): `own` the warpgroup's key half of
+    `smem`; with paired warpgroups (`half` not None) the dQ share's columns of this warpgroup,
+    Σ over both halves (dSᵀ_h)ᵀ·K_h, once both have stored their dSᵀ (`meet`)."""
     lse, delta = values
     dk, dv = accumulators
     q, d_out, scale = smem["q"].at[slot], smem["do"].at[slot], geo.head_dim**-0.5
     tile = (PART_KEYS, q.shape[0])
-    logits, d_probs = wgmmas((zeros(tile), zeros(tile)), [(smem["k"], q.transpose((1, 0)))],
-                             [(smem["v"], d_out.transpose((1, 0)))])  # fmt: skip
+    logits, d_probs = wgmmas((zeros(tile), zeros(tile)), [(own["k"], q.transpose((1, 0)))],
+                             [(own["v"], d_out.transpose((1, 0)))])  # fmt: skip
     probs = normalised(scale, logits, lse, seen, axis=1)
     d_logits = probs * (d_probs - broadcast(delta, tile, 1)) * scale
-    smem["p"][...] = probs.astype(dtype)  # the last chunk's wgmmas have read P and dS
-    smem["ds"][...] = d_logits.astype(dtype)
+    own["p"][...] = probs.astype(dtype)  # the last chunk's wgmmas have read P and dS
+    own["ds"][...] = d_logits.astype(dtype)
     plgpu.commit_smem()
+    keys, columns = smem["k"], geo.head_dim
+    if half is not None:
+        meet()  # both halves' dSᵀ are in shared memory
+        columns = geo.head_dim // KEY_PARTS
+        keys = keys.at[:, pl.ds(half * columns, columns)]
     dk, dv, dq = wgmmas(
-        (dk, dv, zeros((q.shape[0], geo.head_dim))), [(smem["ds"], q)], [(smem["p"], d_out)],
-        [(smem["ds"].transpose((1, 0)), smem["k"])],
+        (dk, dv, zeros((q.shape[0], columns))), [(own["ds"], q)], [(own["p"], d_out)],
+        [(smem["ds"].transpose((1, 0)), keys)],
     )  # fmt: skip
     return (dk, dv), dq.astype(dtype)
+
+
+def half_of(ref, part: int):
+    """Warpgroup `part`'s rows of a `_paired_scratch` buffer (the halves stacked along rows: a
+    static slice, where a static index would reach wgmma's state as a constant operand that
+    Mosaic GPU's lowering rejects)."""
+    rows = ref.shape[0] // KEY_PARTS
+    return ref.at[pl.ds(part * rows, rows)]
+
+
+def _paired_scratch(geo, tiling, dtype, key_copies: int) -> dict:
+    """Shared memory and barriers of the paired `_launch` by name: the block's K, V, key segment
+    ids, Pᵀ, dSᵀ and the stagings with each warpgroup's half stacked along rows (`half_of`), the
+    rings shared (`shared_bytes` counts the same)."""
+    rows, stages, parts, columns = tiling.rows, tiling.stages, KEY_PARTS, geo.head_dim // KEY_PARTS
+    smem, keys = functools.partial(tiles, dtype), KEY_PARTS * PART_KEYS
+    key_bars = {f"key_bars{part}": plgpu.Barrier(num_barriers=key_copies)
+                for part in range(parts)}  # fmt: skip
+    return dict(
+        k=smem(keys, geo.head_dim), v=smem(keys, geo.head_dim),
+        kseg=plgpu.SMEM((keys,), jnp.int32), q=smem(stages, rows, geo.head_dim),
+        do=smem(stages, rows, geo.head_dim), p=smem(keys, rows), ds=smem(keys, rows),
+        data=plgpu.SMEM((stages, 2, rows), jnp.int32),
+        values=plgpu.SMEM((stages, 2, rows), jnp.float32), dq_out=smem(parts * rows, columns),
+        sum_out=tiles(jnp.float32, keys, columns),
+        q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 2, 0), num_barriers=stages),
+        data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        pair_bar=plgpu.Barrier(num_arrivals=parts), **key_bars,
+    )  # fmt: skip
 
 
 def _scratch(geo, tiling, dtype, key_copies: int) -> dict:

@@ -235,16 +235,19 @@ def key_data(smem, row, part, num_operands: int) -> tuple[jax.Array, jax.Array]:
     return slots, plgpu.load(smem["kseg"], layout=ROW_LAYOUT, optimized=False)
 
 
-def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices) -> Item:
+def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices,
+              fetches: bool = True) -> Item:  # fmt: skip
     """Start item (segment `index`, key half `part`): TMA-copy the half's `block_operands`
-    (`copy_keys`) and the first `stages` chunks of `matrices` and row operands (data, values),
-    wait for the former."""
+    (`copy_keys`) and, where this warpgroup `fetches` the chunk ring (the other of a pair of
+    warpgroups reads the same ring), the first `stages` chunks of `matrices` and row operands
+    (data, values); wait for the former."""
     row = copy_keys(ref, smem, index, part, block_operands)
     first, count, queries = row[0], row[1], geo.chunk_queries
 
     def fetch(chunk):
-        fetch_chunk(geo, ref, smem, chunk % tiling.stages, first + chunk * queries, matrices,
-                    False, ["data", "values"])  # fmt: skip
+        if fetches:
+            fetch_chunk(geo, ref, smem, chunk % tiling.stages, first + chunk * queries,
+                        matrices, False, ["data", "values"])  # fmt: skip
 
     num_chunks = (count + queries - 1) // queries
     for chunk in range(tiling.stages):

@@ -117,6 +117,9 @@ class Tiling:
     stages: int = 2  # Q buffers in flight
     # `shared_bytes` at Dh = 128, stages = 2: 130 KiB, so a second program does not fit an SM
     programs_per_core: int = 1
+    # the backward's gradients kernel only (the forward runs one): 2 = a block's two key halves
+    # in one program, one warpgroup each, over one ring of Q and dO (mosaic_backward.py)
+    warpgroups: int = 1
 
     def chunk_queries(self, group: int) -> int:
         if self.rows % entry_rows(group):
@@ -145,12 +148,15 @@ def shared_bytes(
 
 
 def unsupported_reason(
-    dtype, group: int, head_dim: int, block_size: int, tiling: Tiling, index_dim: int = 0
-) -> str:
+    dtype, group: int, head_dim: int, block_size: int, tiling: Tiling, index_dim: int = 0,
+    warpgroups: tuple[int, ...] = (1,),
+) -> str:  # fmt: skip
     """Why the Mosaic kernels can't take these operands ('' when they can); index_dim: Di with a
-    student, 0 without."""
+    student, 0 without; warpgroups: the `Tiling.warpgroups` the kernel runs."""
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
         return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16"
+    if tiling.warpgroups not in warpgroups:
+        return f"warpgroups={tiling.warpgroups} is not one of {warpgroups}"
     if tiling.rows not in WARPGROUP_ROWS:
         return f"mosaic rows={tiling.rows} is not one of {WARPGROUP_ROWS}"
     per_entry = entry_rows(group)

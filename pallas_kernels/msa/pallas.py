@@ -95,6 +95,23 @@ class Config:
         """The backward kernel's tiling (`chunk_queries` and `segment_chunks` alike)."""
         return self.mosaic_backward if self.backward_kernel == "mosaic" else self.backward
 
+    def with_fields(self, items) -> "Config":
+        """This config with fields set from 'name=value' strings: one of its own
+        ('teacher_bytes=8589934592') or a tiling's ('mosaic_backward.warpgroups=2'); a value of
+        digits is an int, any other a string (benchmarks pin kernels this way)."""
+        config = self
+        for item in items:
+            name, _, text = item.partition("=")
+            part, _, field = name.rpartition(".")
+            if part and part not in {f.name for f in dataclasses.fields(config)}:
+                raise ValueError(f"{item!r}: Config has no tiling {part!r}")
+            owner = getattr(config, part) if part else config
+            if field not in {f.name for f in dataclasses.fields(owner)}:
+                raise ValueError(f"{item!r}: {type(owner).__name__} has no field {field!r}")
+            value = dataclasses.replace(owner, **{field: int(text) if text.isdigit() else text})
+            config = dataclasses.replace(config, **{part: value}) if part else value
+        return config
+
 
 def concrete(
     config: Config, q: jax.Array, k: jax.Array, index_q: jax.Array, block_size: int,

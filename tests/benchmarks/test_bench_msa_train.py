@@ -20,8 +20,10 @@ def test_parse_tiling_sets_fields_of_each_part():
     assert config.selection.num_warps == 4
     default = bench_msa.parse_tiling("")
     assert config.backward.rows == default.backward.rows  # untouched fields keep their defaults
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="Tiling has no field 'no_such_field'"):
         bench_msa.parse_tiling("forward.no_such_field=1")
+    with pytest.raises(ValueError, match="no tiling 'sideways'"):
+        bench_msa.parse_tiling("sideways.rows=1")
     own = bench_msa.parse_tiling("teacher_bytes=8589934592,forward.rows=32")
     assert own.teacher_bytes == 8 << 30 and own.forward.rows == 32
     assert own.partial_bytes == default.partial_bytes
@@ -60,10 +62,12 @@ def test_synthetic_batch_packs_documents_with_positions_from_zero():
 
 
 def test_pinned_kernels_reach_the_msa_kernels_for_one_variant_only():
-    pins = ["kernels.forward_kernel=mosaic", "kernels.backward_kernel=triton"]
+    pins = ["kernels.forward_kernel=mosaic", "kernels.backward_kernel=triton",
+            "kernels.mosaic_backward.warpgroups=2"]  # fmt: skip
     with bench_train.pinned_kernels(pins):
         config = msa_pallas.sparse_attention.keywords["config"]
         assert (config.forward_kernel, config.backward_kernel) == ("mosaic", "triton")
+        assert config.mosaic_backward.warpgroups == 2 and config.mosaic.warpgroups == 1
         assert msa_pallas.unsupported_reason.keywords["config"] is config
     assert not isinstance(msa_pallas.sparse_attention, functools.partial)
     assert not isinstance(msa_pallas.unsupported_reason, functools.partial)

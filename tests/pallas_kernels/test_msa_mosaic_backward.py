@@ -38,9 +38,10 @@ from pallas_kernels.msa import (
 )
 
 
-def mosaic(forward_kernel: str = "triton") -> pallas.Config:
+def mosaic(forward_kernel: str = "triton", warpgroups: int = 1) -> pallas.Config:
+    tiling = mosaic_forward.Tiling(segment_chunks=2, warpgroups=warpgroups)
     return pallas.Config(forward_kernel=forward_kernel, backward_kernel="mosaic",
-                         mosaic_backward=mosaic_forward.Tiling(segment_chunks=2))  # fmt: skip
+                         mosaic_backward=tiling)  # fmt: skip
 
 
 def reference_gradients(q, k, v, blocks, segments, positions, index=None):
@@ -59,40 +60,50 @@ def reference_gradients(q, k, v, blocks, segments, positions, index=None):
     return jax.grad(loss, argnums=tuple(range(len(operands))))(*operands)
 
 
-@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
-def test_gradients_match_reference_and_triton(group, kv_heads):
+@pytest.mark.parametrize("group, kv_heads, warpgroups", [(4, 2, 1), (16, 1, 1), (4, 2, 2),
+                                                         (16, 1, 2)])  # fmt: skip
+def test_gradients_match_reference_and_triton(group, kv_heads, warpgroups):
     """d(q, k, v): G = 4 (Q and dO rows gathered by XLA, entries padded to 8 rows) and G = 16
-    (the kernel copies each entry's rows itself)."""
-    args = inputs(group, kv_heads)
+    (the kernel copies each entry's rows itself); one warpgroup a key half, or both halves of a
+    block in one program (one dQ share per entry, summed in the kernel: Dh = 128, two column
+    halves of 64)."""
+    args = inputs(group, kv_heads, head_dim=64 * warpgroups)
     assert (np.asarray(args[3]) == -1).any()
-    got = gradients(mosaic(), *args)
+    paired = mosaic_backward._paired_scratch
+    with mock.patch.object(mosaic_backward, "_paired_scratch", wraps=paired) as scratch:
+        got = gradients(mosaic(warpgroups=warpgroups), *args)
+    assert scratch.called == (warpgroups == 2)
     assert all(np.isfinite(as_f32(g)).all() for g in got)
     assert_gradients_equal(got, reference_gradients(*args))
     assert_gradients_equal(got, gradients(pallas.Config(), *args))
 
 
-@pytest.mark.parametrize("group, kv_heads, forward", [(4, 2, "mosaic"), (16, 1, "mosaic"),
-                                                     (16, 1, "triton")])  # fmt: skip
-def test_student_gradients_match_reference_and_triton(group, kv_heads, forward):
+@pytest.mark.parametrize("group, kv_heads, forward, warpgroups",
+                         [(4, 2, "mosaic", 1), (16, 1, "mosaic", 1), (16, 1, "triton", 1),
+                          (16, 1, "mosaic", 2)])  # fmt: skip
+def test_student_gradients_match_reference_and_triton(group, kv_heads, forward, warpgroups):
     """d(q, k, v, index_q, index_k) with the student, after the Mosaic forward (its LSE, LSE_z
     and teacher residuals) or the Triton one (no teacher kept: the backward runs the KL pass for
     it); the packed row alone, to keep the interpreter's time down."""
-    args = inputs(group, kv_heads, batch=1)
+    args = inputs(group, kv_heads, batch=1, head_dim=64 * warpgroups)
     index = student(kv_heads, args[0].shape[1], args[0].shape[0])
-    got = gradients(mosaic(forward), *args, index=index)
+    got = gradients(mosaic(forward, warpgroups), *args, index=index)
     assert_gradients_equal(got, reference_gradients(*args, index=index))
     assert_gradients_equal(got, gradients(pallas.Config(), *args, index=index))
 
 
-@pytest.mark.parametrize("with_student, query_runs", [(False, False), (True, False), (True, True)])
-def test_lowers_for_cuda_without_a_gpu(with_student, query_runs):
+@pytest.mark.parametrize("with_student, query_runs, warpgroups",
+                         [(False, False, 1), (True, False, 1), (True, True, 1), (True, False, 2)])
+def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints, wgmma operands) of the
     backward kernels at Dh = Di = 128, G = 16: the forward, then the gradients kernel and with a
     student the KL pass (its teacher feeds the student's gradients) and the student's kernel;
     with query runs, half the queries as context parallelism's two runs of slots. The Triton
     fallback for windows of too many segments lowers only with a GPU present: zeros of its
     kernel's shapes stand in for it here."""
-    config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic")
+    tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=warpgroups)
+    config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic",
+                           mosaic_backward=tiling)  # fmt: skip
     triton = backward_kernel.backward_pass
 
     def stand_in(geo, tiling, *arrays, **kwargs):
@@ -136,6 +147,17 @@ def test_unsupported_reason_names_the_backward_limits():
     assert "backward_kernel='cuda'" in pallas.unsupported_reason(q, k, q, block_size=BLOCK,
                                                                  config=odd)  # fmt: skip
     assert reason(q, k, student(2, 8, 1)[0]) == ""
+    # two warpgroups a program: Dh in two column halves of 64, within shared memory at Dh = 128
+    paired = mosaic_forward.Tiling(warpgroups=2)
+    limits = (jnp.bfloat16, 16, 128, BLOCK)
+    assert mosaic_backward.unsupported_reason(*limits, paired, 128) == ""
+    assert mosaic_backward.shared_bytes(paired, 128) > mosaic_backward.shared_bytes(
+        mosaic_forward.Tiling(), 128)
+    assert "two warpgroups" in mosaic_backward.unsupported_reason(jnp.bfloat16, 16, 64, BLOCK,
+                                                                  paired)  # fmt: skip
+    assert "warpgroups=3" in mosaic_backward.unsupported_reason(
+        *limits, mosaic_forward.Tiling(warpgroups=3))
+    assert "warpgroups=2" in mosaic_forward.unsupported_reason(*limits, paired)  # forward: one
 
 
 def test_auto_takes_the_mosaic_backward_where_the_mosaic_forward_runs_and_it_fits():
