@@ -13,8 +13,10 @@ of random lengths, so rows hold several), in the MSA sparse phase with the index
 warm-up steps, tokens/s (all devices, and per device), MFU per device (model FLOPs as m3-train
 counts them, pretrain/mfu.py, against 989 TFLOP/s and against the bf16 matmul rate measured in
 the same run), the devices' largest peak memory and the ratio of per-device tokens/s to the first
-variant's in the same run; `--profile DIR` adds the first variant's device time by kernel and its
-communication (NCCL kernels) per step (benchmarks/trace_summary.py). The last stdout line is JSON.
+variant's in the same run; `--profile DIR` adds the first variant's device time by kernel (the
+top 60, each XLA fusion with the JAX op names fused into it, from XLA's dump under DIR/hlo) and
+its communication (NCCL kernels) per step (benchmarks/trace_summary.py). The last stdout line is
+JSON.
 
 Scaling: a `devices=N` token runs that variant in a process that sees N devices (the first N
 GPUs, or N host devices on a CPU), e.g. at fixed rows per GPU on a machine of two:
@@ -142,7 +144,8 @@ def _time_variant(config_path, overrides, steps, trace_dir, document_tokens) -> 
                 for _ in range(2):
                     jax.block_until_ready(session.step_on_devices(batch, TRAIN)["loss"])
             summary = trace_summary.summarize(trace_dir)
-            print(trace_summary.report(summary, steps=2), flush=True)
+            sources = trace_summary.hlo_sources(hlo_dump(trace_dir))
+            print(trace_summary.report(summary, steps=2, top=60, sources=sources), flush=True)
             communication = [p["communication_busy"] / 2e3 for p in summary.values()]
         flops_per_token = session.model_flops.per_token(host_batch, TRAIN)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()]
@@ -173,8 +176,12 @@ def matmul_tflops(size: int, repeats: int = 20) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
+def hlo_dump(profile: str) -> str:
+    """Where a profiled run has XLA dump its optimised programs (`trace_summary.hlo_sources`)."""
+    return os.path.join(profile, "hlo")
+
+
 def main() -> None:
-    xla_flags.apply()  # before the first backend starts
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     parser.add_argument("--variants", nargs="+", default=[""])
@@ -192,6 +199,10 @@ def main() -> None:
     # set by isolated_variant: time the variant here, whatever its devices= or --isolate
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile:  # the fusions' op names for the kernel list (before any backend starts)
+        dump = f"--xla_dump_to={hlo_dump(args.profile)} --xla_dump_hlo_as_text"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump}".strip()
+    xla_flags.apply()  # before the first backend starts
     rows = []
     for index, variant in enumerate(args.variants):
         isolate = (args.isolate or variant_devices(variant)) and not args.child

@@ -6,7 +6,10 @@ Usage (a trace written by `jax.profiler.trace(dir, create_perfetto_trace=True)`)
 For each device it prints the time its kernels ran (summed, and as the union of their intervals,
 which differ where streams overlap) and the kernels that took most of it, divided by --steps;
 for each kernel also how much of its time ran beside communication (NCCL kernels on another
-stream), where a kernel may be slowed by the SMs and memory bandwidth those take.
+stream), where a kernel may be slowed by the SMs and memory bandwidth those take. With `--hlo
+DUMP` (the program run under `XLA_FLAGS="--xla_dump_to=DUMP --xla_dump_hlo_as_text"`) each XLA
+fusion also gets the JAX op names it was fused from (`hlo_sources`), which name the model code
+(transposes of AD, `jvp`, the functions on the way) that a fusion's own name does not.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 
 def load_events(trace_dir: str) -> tuple[list[dict], dict[int, str]]:
@@ -96,7 +100,43 @@ def _communicates(kernel_name: str) -> bool:
     return kernel_name.lower().startswith(COMMUNICATION_PREFIX)
 
 
-def report(summary: dict[str, dict], steps: int = 1, top: int = 30) -> str:
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def hlo_sources(dump_dir: str, width: int = 3) -> dict[str, str]:
+    """Kernel name -> the JAX op names (up to `width`, most frequent first) of the instructions of
+    the fusion of that name, in the largest optimised HLO module under `dump_dir` (the training
+    step's). A GPU kernel bears its fusion's name with '.' and '-' as '_'."""
+    paths = glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))
+    if not paths:
+        return {}
+    bodies, calls, current = collections.defaultdict(list), {}, None
+    with open(max(paths, key=os.path.getsize)) as f:
+        for line in f:
+            if line and not line[0].isspace() and line.rstrip().endswith("{"):
+                current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+                continue
+            match = _INSTRUCTION.match(line)
+            if not match:
+                continue
+            bodies[current].append(line)
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            if " fusion(" in line and called:
+                calls[match.group(1)] = (line, called.group(1))
+    sources = {}
+    for name, (line, computation) in calls.items():
+        names = collections.Counter(
+            op for text in [line, *bodies[computation]] for op in _OP_NAME.findall(text)
+        )
+        kernel = name.replace(".", "_").replace("-", "_")
+        sources[kernel] = " | ".join(op for op, _ in names.most_common(width))
+    return sources
+
+
+def report(summary: dict[str, dict], steps: int = 1, top: int = 30,
+           sources: dict[str, str] | None = None) -> str:  # fmt: skip
+    """The summary as text; `sources` (`hlo_sources`) adds each fusion's op names below it."""
     lines = []
     for device, parts in summary.items():
         lines.append(
@@ -107,6 +147,8 @@ def report(summary: dict[str, dict], steps: int = 1, top: int = 30) -> str:
             beside = parts["beside_communication"][name]
             note = f"  ({beside / steps / 1e3:.3f} ms beside NCCL)" if beside else ""
             lines.append(f"  {micros / steps / 1e3:8.3f} ms  {name[:110]}{note}")
+            if sources and name in sources:
+                lines.append(f"               <- {sources[name][:300]}")
     return "\n".join(lines)
 
 
@@ -116,8 +158,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="profiled steps (divides times)")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--device-prefix", default="/device:GPU")
+    parser.add_argument("--hlo", metavar="DUMP", help="XLA's dump of the traced program")
     args = parser.parse_args()
-    print(report(summarize(args.trace_dir, args.device_prefix), args.steps, args.top))
+    sources = hlo_sources(args.hlo) if args.hlo else None
+    print(report(summarize(args.trace_dir, args.device_prefix), args.steps, args.top, sources))
 
 
 if __name__ == "__main__":

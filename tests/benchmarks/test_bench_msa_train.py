@@ -4,6 +4,7 @@ TPU."""
 
 import functools
 import json
+import os
 import subprocess
 import sys
 
@@ -101,6 +102,7 @@ def test_isolated_variants_run_one_child_each_and_report_a_dead_childs_last_word
         return subprocess.CompletedProcess(command, 0, f"{{}}\n{json.dumps([row])}\n", "")
 
     monkeypatch.setattr(bench_train.subprocess, "run", fake_run)
+    monkeypatch.setenv("XLA_FLAGS", "")  # main adds the HLO dump of a profiled run (undone after)
     argv = ["bench_train", "--config", "c.yaml", "--isolate", "--profile", "/tmp/p",
             "--variants", "", "model.remat=none", "broken"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
@@ -108,6 +110,7 @@ def test_isolated_variants_run_one_child_each_and_report_a_dead_childs_last_word
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [c[c.index("--variants") + 1] for c in commands] == ["", "model.remat=none", "broken"]
     assert ["--profile" in c for c in commands] == [True, False, False]
+    assert "--xla_dump_to=/tmp/p/hlo --xla_dump_hlo_as_text" in os.environ["XLA_FLAGS"]
     assert rows[1]["vs_first"] == 2.0 and "error" not in rows[1]
     assert rows[2]["error"] == "child exited -9: Killed by the OOM"
 

@@ -63,3 +63,37 @@ def test_overlap_with_disjoint_intervals():
 def test_missing_trace_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="perfetto_trace"):
         trace_summary.summarize(str(tmp_path))
+
+
+MUL = 'metadata={op_name="jit(step)/transpose(jvp(loss))/mul"}'
+FUSION = "  ROOT %loop_multiply_fusion.3 = f32[8]{0} fusion(%p), kind=kLoop, " + (
+    f"calls=%fused_computation.3, {MUL}")  # one line in the module, as XLA writes it
+HLO = f"""HloModule jit_step, entry_computation_layout={{()->f32[8]}}
+
+%fused_computation.3 (param_0: f32[8]) -> f32[8] {{
+  %param_0 = f32[8]{{0}} parameter(0)
+  %exp.1 = f32[8]{{0}} exponential(%param_0), metadata={{op_name="jit(step)/jvp(loss)/exp"}}
+  ROOT %multiply.2 = f32[8]{{0}} multiply(%exp.1, %exp.1), {MUL}
+}}
+
+ENTRY %main.9 (p: f32[8]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0), metadata={{op_name="x"}}
+{FUSION}
+}}
+"""
+
+def test_hlo_sources_name_each_fusion_by_the_jax_ops_fused_into_it(tmp_path):
+    dump = tmp_path / "hlo"
+    dump.mkdir()
+    (dump / "module_0001.jit_step.sm_9.0_gpu_after_optimizations.txt").write_text(HLO)
+    (dump / "module_0000.jit_tiny.sm_9.0_gpu_after_optimizations.txt").write_text("HloModule x\n")
+    sources = trace_summary.hlo_sources(str(dump))
+    assert sources == {"loop_multiply_fusion_3": "jit(step)/transpose(jvp(loss))/mul | "
+                                                 "jit(step)/jvp(loss)/exp"}  # fmt: skip
+    assert trace_summary.hlo_sources(str(tmp_path / "nowhere")) == {}
+    write_trace(tmp_path, [kernel("loop_multiply_fusion_3", 0, 50), kernel("gemm", 0, 10)])
+    text = trace_summary.report(trace_summary.summarize(str(tmp_path)), sources=sources)
+    lines = text.splitlines()
+    fusion = next(i for i, line in enumerate(lines) if "loop_multiply_fusion_3" in line)
+    assert lines[fusion + 1].strip() == f"<- {sources['loop_multiply_fusion_3']}"
+    assert "<-" not in lines[fusion + 2]  # the gemm has no fusion of its name
