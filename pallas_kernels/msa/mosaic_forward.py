@@ -27,7 +27,10 @@ and warps; P goes in two 16-bit parts for ~16-bit precision), z again, and per r
 teacher itself is stored too, one fp32 row per entry ([E, block], from an unswizzled staging
 buffer a row at a time): the student's gradients start from it (mosaic_student.py) instead of
 computing P again. That is the Triton forward pass minus its P·V (the Triton path pays its two
-Q·Kᵀ as well). The index operands enter the wgmma in q's dtype.
+Q·Kᵀ as well). The index operands enter the wgmma in q's dtype. Without the student's operands
+the same kernel is the teacher pass: the teacher alone, for the backward when it was not kept,
+and for `Config.kl_kernel = "slots"`, where the student's kernel takes the KL one row per entry
+(mosaic_student.py: `kl_shares`).
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
 entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
@@ -385,26 +388,29 @@ def kl_pass(
     chunk_walk: Walk,
     k: jax.Array,
     key_segments: jax.Array,
-    student: tuple[jax.Array, jax.Array],
+    student: tuple[jax.Array, jax.Array] | None,
     lses: jax.Array,
     *,
     with_teacher: bool = True,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array | None, jax.Array | None]:
     """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
     an entry) and, `with_teacher`, the teacher over the block's keys [E, block] fp32 (the group's
     mean probability under the global LSEs: the student's gradients start from it,
     mosaic_student.py; else None), over the same segments and chunks as `forward`, given the
     global LSEs per row `lses` (`row_values` of lse and lse_z); the other operands as
-    `forward`'s."""
-    operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, iq=student[0],
-                    ik=student[1], lses=lses,
+    `forward`'s. Without a `student` the pass computes the teacher alone (KL None), for the
+    student's kernel to take the KL one row per entry (`mosaic_student.kl_shares`)."""
+    operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, lses=lses,
                     average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
-    outputs = dict(kl=jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32))
-    if with_teacher:
+    outputs = {}
+    if student is not None:
+        operands.update(iq=student[0], ik=student[1])
+        outputs["kl"] = jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32)
+    if with_teacher or student is None:
         outputs["teacher"] = jax.ShapeDtypeStruct((geo.entries, geo.block_size), jnp.float32)
     results = _launch(geo, tiling, operands, outputs, interpret)
-    return results["kl"], results.get("teacher")
+    return results.get("kl"), results.get("teacher")
 
 
 def averaging(geo: chunks.Geometry, tiling: Tiling, dtype) -> jax.Array:
@@ -477,11 +483,13 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 pl.when(chunk + stages < num_chunks)(lambda: fetch(chunk + stages))
                 teacher = None
                 if kl:
-                    results["kl"], teacher = _kl_chunk(smem, logits, seen, z, *per_row["lses"])
+                    kl_rows_, teacher = _kl_chunk(smem, logits, seen, z, *per_row["lses"])
+                    results.update({} if z is None else {"kl": kl_rows_})
                 else:
                     results.update(_attention_chunk(smem, logits, seen))
-                store_chunk(geo, smem, ref, results, (first + chunk * queries) * group,
-                            count - chunk * queries)  # fmt: skip
+                if results:
+                    store_chunk(geo, smem, ref, results, (first + chunk * queries) * group,
+                                count - chunk * queries)  # fmt: skip
                 if keeps_teacher:  # an entry's rows hold one teacher: its first row is stored
                     store_chunk(geo, smem, ref, {"teacher": teacher}, first + chunk * queries,
                                 count - chunk * queries, stored_rows=1)  # fmt: skip
@@ -517,9 +525,14 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         plgpu.commit_smem()
         average = smem["average"]
         teacher = matmul((rows, size), (average, smem["p"]), (average, smem["p_low"]))
+        if z is None:  # the teacher alone
+            return None, teacher
         return kl_rows(teacher, z * index_scale - broadcast(lse_z, z.shape)), teacher
 
-    kernel.__name__ = "msa_mosaic_kl_pass" if kl else "msa_mosaic_forward"  # profiles' name
+    kernel.__name__ = (  # the name profiles show
+        "msa_mosaic_forward" if not kl else "msa_mosaic_kl_pass" if student
+        else "msa_mosaic_teacher_pass"
+    )  # fmt: skip
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),

@@ -9,7 +9,9 @@
   the forward on Mosaic GPU kernels instead (mosaic_forward.py): one pass without a student;
   with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL
   and the teacher, which the Mosaic backward's student gradients read (kept within
-  `Config.teacher_bytes`, else that backward runs the KL pass again).
+  `Config.teacher_bytes`, else that backward runs the KL pass again, as the teacher pass: the
+  teacher alone). `Config.kl_kernel="slots"` splits that second kernel in two: the teacher pass,
+  then the KL one row per entry in the student's kernel (mosaic_student.py).
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
   multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
   32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel`
@@ -51,6 +53,7 @@ from pallas_kernels.msa import (
     forward_kernels,
     mosaic_backward,
     mosaic_forward,
+    mosaic_student,
     selection_kernel,
 )
 from pallas_kernels.msa.reference import SAVED_BY_REMAT, Student
@@ -82,8 +85,13 @@ class Config:
     mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32)
     # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
-    # backward runs the KL pass again for it (long rows: 8.6 GB a layer at 512K tokens)
+    # backward runs the teacher pass for it (long rows: 8.6 GB a layer at 512K tokens)
     teacher_bytes: int = 1 << 30
+    # the Mosaic forward's KL with a student: "pass", the KL pass computes the student's logits
+    # and the KL on each of an entry's head rows; "slots" (not yet timed on a GPU), the pass
+    # computes the teacher alone and the student's kernel takes the KL one row per entry
+    # (mosaic_student.kl_shares), the pass' way kept for windows of more segments than it holds
+    kl_kernel: str = "pass"
 
     @property
     def uses_mosaic(self) -> bool:
@@ -163,6 +171,8 @@ def unsupported_reason(
         return f"forward_kernel={config.forward_kernel!r} is not 'auto', 'triton' or 'mosaic'"
     if config.backward_kernel not in ("auto", "triton", "mosaic"):
         return f"backward_kernel={config.backward_kernel!r} is not 'auto', 'triton' or 'mosaic'"
+    if config.kl_kernel not in ("pass", "slots"):
+        return f"kl_kernel={config.kl_kernel!r} is not 'pass' or 'slots'"
     config = concrete(config, q, k, index_q, block_size, interpret)
     index_dim = 0 if index_q is q else index_q.shape[3]
     if config.uses_mosaic:
@@ -357,7 +367,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
 
     def kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z, with_teacher):
         """The Mosaic KL pass of a window -> (per-entry KL shares, teacher per sorted entry or
-        None); student: (`index_rows` of index_q, index keys)."""
+        None); student: (`index_rows` of index_q, index keys), or None: the teacher pass (no
+        KL shares, the teacher)."""
         lses = mosaic_forward.row_values(geo, lists, [lse], [lse_z])
         return mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student, lses,
                                       with_teacher=with_teacher, **kernels)  # fmt: skip
@@ -378,12 +389,34 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         out, lse, lse_z = mosaic_forward.combine(geo, lists, valid, o, lse_e, lse_z_e)
         kl = teacher = None
         if with_student:
+            shares = functools.partial(entry_kl, geo, tiling, lists, chunk_walk, keys, student,
+                                       lse, lse_z, index_q, index_keys, segment_ids, offset)
+            if config.kl_kernel == "slots":
+                bound = mosaic_backward.segment_bound(geo, tiling)
+                overflow = lists.num_segments[0] > bound
+                kl_e, teacher = jax.lax.cond(overflow, shares, functools.partial(shares, bound))
+            else:
+                kl_e, teacher = shares()
+            kl = by_slot(kl_e, lists, valid, 0.0).sum(axis=3)  # a query's k shares add up
+        return out.astype(q.dtype), kl, lse, lse_z, teacher
+
+    def entry_kl(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z, index_q,
+                 index_keys, segment_ids, offset, bound=None):  # fmt: skip
+        """A window's KL share per sorted entry [E] and the teacher [E, block] (or None where
+        not kept): from the KL pass with the student (`bound` None), or from the teacher pass
+        and the student's kernel on slots of entries (windows of at most `bound` segments)."""
+        if bound is None:
             kl_e, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z,
                                     keeps_teacher)  # fmt: skip
-            # each entry's KL share sits in its first row; a query's k shares add up
-            first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
-            kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
-        return out.astype(q.dtype), kl, lse, lse_z, teacher
+            # each entry's KL share sits in its first row
+            return kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0], teacher
+        _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, None, lse, lse_z, True)
+        window = dict(index_q=index_q, q=chunk_walk.q_rows, lse_z=lse_z, teacher=teacher,
+                      segment_ids=segment_ids, offset=offset)  # fmt: skip
+        operands = dict(chunk_walk.operands(), kseg=keys[2])
+        kl_e = mosaic_student.kl_shares(geo, tiling, lists, operands, window, index_keys, bound,
+                                        **kernels)  # fmt: skip
+        return kl_e, teacher if keeps_teacher else None
 
     def forward_window(k, v, index_k, segments, window):
         geo, tiling = forward_geo, config.forward
@@ -490,8 +523,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         valid = blocks >= 0
         if with_student and teacher is None:  # behind the Triton forward, or too large to keep
             chunk_walk = mosaic_forward.walk(geo, lists, q, segment_ids, offset)
-            student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
-            _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z, True)
+            _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, None, lse, lse_z, True)
         operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
                         d_kl=d_kl, index_q=index_q, segment_ids=segment_ids, offset=offset,
                         teacher=teacher)  # fmt: skip

@@ -11,12 +11,14 @@ same values. Segments of two chunks, so long block lists go on in
 later segments and many chunks are a list's partial last one (stored query by query).
 """
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.msa import mosaic_forward, pallas, reference
+from pallas_kernels.msa import mosaic_forward, mosaic_student, pallas, reference
 
 BLOCK = 128
 # bf16 inputs and output: the reference runs in float32 on the same (rounded) inputs
@@ -53,9 +55,9 @@ def student(kv_heads: int, seq: int, batch: int):
     return bf16(keys[0], (batch, seq, kv_heads, INDEX_DIM)), bf16(keys[1], (batch, seq, INDEX_DIM))
 
 
-def mosaic(segment_chunks: int = 2, stages: int = 2) -> pallas.Config:
+def mosaic(segment_chunks: int = 2, stages: int = 2, kl_kernel: str = "pass") -> pallas.Config:
     tiling = mosaic_forward.Tiling(segment_chunks=segment_chunks, stages=stages)
-    return pallas.Config(forward_kernel="mosaic", mosaic=tiling)
+    return pallas.Config(forward_kernel="mosaic", mosaic=tiling, kl_kernel=kl_kernel)
 
 
 def as_f32(x):
@@ -79,15 +81,20 @@ def test_forward_matches_reference(group, kv_heads, stages):
     np.testing.assert_allclose(as_f32(out[0, -3]), own_values, atol=OUT_TOLERANCE)
 
 
-@pytest.mark.parametrize("group, kv_heads", [(4, 2), (16, 1)])
-def test_forward_with_student_matches_reference(group, kv_heads):
+@pytest.mark.parametrize("group, kv_heads, kl_kernel", [(4, 2, "pass"), (16, 1, "pass"),
+                                                        (4, 2, "slots"), (16, 1, "slots")])
+def test_forward_with_student_matches_reference(group, kv_heads, kl_kernel):
     """With the student: out and the KL per (query, kv head) against the reference, on the packed
-    row (the forward kernel's per-entry LSE_z combined, then the KL pass on the global LSEs)."""
+    row (the forward kernel's per-entry LSE_z combined, then on the global LSEs the KL pass, or
+    the teacher pass and the student's kernel on slots of entries)."""
     q, k, v, blocks, segments, positions = args = inputs(group, kv_heads, batch=1)
     assert (np.asarray(blocks) == -1).any()
     index = student(kv_heads, q.shape[1], 1)
-    out, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index, config=mosaic(),
-                                      interpret=True)  # fmt: skip
+    config = mosaic(kl_kernel=kl_kernel)
+    with mock.patch.object(mosaic_student, "kl_shares", wraps=mosaic_student.kl_shares) as slots:
+        out, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index, config=config,
+                                          interpret=True)  # fmt: skip
+    assert slots.called == (kl_kernel == "slots")
     f32 = [x.astype(jnp.float32) for x in (q, k, v, *index)]
     expected, expected_kl = reference.sparse_attention(
         *f32[:3], blocks, segments, positions, block_size=BLOCK, student=f32[3:]
@@ -97,6 +104,28 @@ def test_forward_with_student_matches_reference(group, kv_heads):
     np.testing.assert_allclose(as_f32(kl), as_f32(expected_kl), atol=KL_TOLERANCE)
     # the first padding slot sees itself only: teacher and student agree, KL 0
     np.testing.assert_allclose(as_f32(kl[0, -3]), 0.0, atol=KL_TOLERANCE)
+
+
+def test_kl_on_slots_leaves_a_window_of_more_segments_than_room_to_the_kl_pass():
+    """Rows of 3-token documents (a list per (block, document)) hold more segments than the
+    student's slots make room for: `kl_kernel="slots"` takes the KL pass there (a `lax.cond`),
+    and the KL equals the reference's."""
+    q, k, v, _, _, _ = inputs(4, 2, batch=1)
+    seq = q.shape[1]
+    segments = jnp.asarray(np.arange(seq) // 3 + 1, jnp.int32)[None]
+    positions = jnp.asarray(np.arange(seq) % 3, jnp.int32)[None]
+    index = student(2, seq, 1)
+    blocks = reference.top_blocks(*index, segments, positions, block_size=BLOCK, topk_blocks=2,
+                                  local_blocks=1)  # fmt: skip
+    args = (q, k, v, blocks, segments, positions)
+    with mock.patch.object(mosaic_student, "kl_shares", wraps=mosaic_student.kl_shares) as slots:
+        _, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index,
+                                        config=mosaic(kl_kernel="slots"), interpret=True)
+    assert slots.called  # traced in the cond's other branch
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, *index)]
+    _, expected = reference.sparse_attention(*f32[:3], blocks, segments, positions,
+                                             block_size=BLOCK, student=f32[3:])  # fmt: skip
+    np.testing.assert_allclose(as_f32(kl), as_f32(expected), atol=KL_TOLERANCE)
 
 
 def gradients(config, q, k, v, blocks, segments, positions, index=None):
@@ -142,20 +171,25 @@ def test_student_gradients_equal_the_triton_forwards(group, kv_heads):
                            gradients(pallas.Config(), *args, index=index))  # fmt: skip
 
 
-@pytest.mark.parametrize("with_student", [False, True])
-def test_lowers_for_cuda_without_a_gpu(with_student):
+@pytest.mark.parametrize("with_student, kl_kernel", [(False, "pass"), (True, "pass"),
+                                                     (True, "slots")])  # fmt: skip
+def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints) runs on CPU: the forward
-    kernel, with a student also its LSE_z outputs and the KL pass (Di = 128, M3's)."""
+    kernel, with a student also its LSE_z outputs and the KL pass (Di = 128, M3's); with the KL
+    on slots the teacher pass and the student's KL kernel too (beside the KL pass, which a
+    window of more segments than they hold takes)."""
 
     def forward(q, k, v, blocks, segments, positions, *index):
         return pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
-                                       student=index or None, config=mosaic(16),
+                                       student=index or None,
+                                       config=mosaic(16, kl_kernel=kl_kernel),
                                        interpret=False)  # fmt: skip
 
     text = jax.jit(forward).trace(*cuda_operands(with_student)).lower(
         lowering_platforms=("cuda",)
     ).as_text()
-    assert text.count("custom_call @mosaic_gpu") == (2 if with_student else 1)
+    kernels = {"pass": 2, "slots": 4}[kl_kernel] if with_student else 1
+    assert text.count("custom_call @mosaic_gpu") == kernels
 
 
 def cuda_operands(with_student: bool) -> tuple:
