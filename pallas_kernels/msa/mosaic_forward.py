@@ -29,8 +29,8 @@ buffer a row at a time): the student's gradients start from it (mosaic_student.p
 computing P again. That is the Triton forward pass minus its P·V (the Triton path pays its two
 Q·Kᵀ as well). The index operands enter the wgmma in q's dtype. Without the student's operands
 the same kernel is the teacher pass: the teacher alone, for the backward when it was not kept,
-and for `Config.kl_kernel = "slots"`, where the student's kernel takes the KL one row per entry
-(mosaic_student.py: `kl_shares`).
+and for `Config.kl_kernel = "slots"`, where the student's kernel takes its LSE and the KL one
+row per entry (mosaic_student.py: `kl_terms`).
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
 entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
@@ -400,7 +400,7 @@ def kl_pass(
     mosaic_student.py; else None), over the same segments and chunks as `forward`, given the
     global LSEs per row `lses` (`row_values` of lse and lse_z); the other operands as
     `forward`'s. Without a `student` the pass computes the teacher alone (KL None), for the
-    student's kernel to take the KL one row per entry (`mosaic_student.kl_shares`)."""
+    student's kernel to take the KL one row per entry (`mosaic_student.kl_terms`)."""
     operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, lses=lses,
                     average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
     outputs = {}

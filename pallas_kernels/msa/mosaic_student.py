@@ -14,10 +14,10 @@ transposed d_z). The kernel before recomputed the teacher (Sᵀ = K·Qᵀ and P�
 group mean on wgmma): 32.6 ms of a bench-h200 step on the H200 (benchmarks/RESULTS.md,
 2026-12-03).
 
-The same kernel takes the forward's KL with `Config.kl_kernel = "slots"` (`kl_shares`): per
-part Σ over the half's keys of t·(log t - (zᵀ·Di^-½ - LSE_z)), one value per entry, where the KL
-pass computes z and the logs on every one of an entry's Ge head rows (16 at M3's layout) and so
-needs its own copies of the index rows per chunk.
+The same kernel takes the forward's KL with `Config.kl_kernel = "slots"` (`kl_terms`): per
+part and entry the LSE of zᵀ·Di^-½ over the half's keys, Σ t·(log t - zᵀ·Di^-½) and Σ t, one
+value per entry, where the attention and KL passes compute z, its LSE and the KL's logs on every
+one of an entry's Ge head rows (16 at M3's layout), with their own copies of the index rows.
 
 Slots: a segment's entries in runs of SLOT_ENTRIES, numbered across segments by `slot_layout`
 (so each slot's operands are one aligned TMA copy and its d(index_q) stores that no other
@@ -40,8 +40,10 @@ from pallas_kernels.msa import block_lists, chunks, mosaic_forward
 from pallas_kernels.msa.mosaic_chunks import (
     COLUMN_LAYOUT,
     KEY_PARTS,
+    LOG2E,
     PART_KEYS,
     WGMMA,
+    block_lse,
     broadcast,
     copy_keys,
     key_data,
@@ -97,7 +99,7 @@ def slot_operands(geo: chunks.Geometry, lists: block_lists.BlockLists, slots: Sl
     """Per slot row: index_q's row [N·SLOT_ENTRIES, Di] in q's dtype, (query's global slot,
     segment id) [2, N·SLOT_ENTRIES] int32 (slot -1 on empty rows: they see no key) and the
     window's per-(query, kv head) `values` (LSE_z, d_kl) [n, N·SLOT_ENTRIES] fp32 (0 on empty
-    rows)."""
+    rows; None without `values`)."""
     w = window
     entry = jnp.minimum(slots.entry_of_row, geo.entries - 1)
     empty = slots.entry_of_row >= geo.entries
@@ -106,6 +108,8 @@ def slot_operands(geo: chunks.Geometry, lists: block_lists.BlockLists, slots: Sl
     data = data.at[0].set(jnp.where(empty, -1, data[0]))
     index_q = w["index_q"].reshape(-1, w["index_q"].shape[-1])[pair].astype(w["q"].dtype)
     index_q = jnp.where(empty[:, None], 0, index_q)
+    if not values:
+        return index_q, data, None
     values = jnp.stack([w[name].reshape(-1)[pair] for name in values])
     values = jnp.where(empty | ~jnp.isfinite(values), 0.0, values).astype(jnp.float32)
     return index_q, data, values
@@ -160,39 +164,50 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
     return diq.at[slots.row_of_entry].get(mode="fill", fill_value=0.0)[None], results["dik"]
 
 
-def kl_shares(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,
-              operands: dict, window: dict, index_keys, bound: int, *,
-              interpret: bool = False) -> jax.Array:  # fmt: skip
-    """The indexer's KL share of every sorted entry [E] fp32, Σ over the block's keys of
-    t·(log t - log s), from the teacher pass' teacher (`mosaic_forward.kl_pass` without a
-    student) and the student's logits one row per entry: the KL pass with a student computes
-    them, and the KL's logs, on each of the entry's Ge head rows. Arguments as `gradients`',
-    the window without d_kl; `bound` segments at most (more: the KL of the entries past them
-    is lost, so the caller takes the KL pass with a student there)."""
+TERMS = ("lse_z", "cross", "mass")  # the forward's per-entry terms of the KL (`kl_terms`)
+
+
+def kl_terms(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,
+             operands: dict, window: dict, index_keys, bound: int, *,
+             interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """The student's side of the indexer's KL, one row per sorted entry (where the KL pass
+    computes the student's logits and the KL's logs on each of an entry's Ge head rows), from
+    the teacher pass' teacher t (`mosaic_forward.kl_pass` without a student): over the block's
+    keys the LSE of the student's logits z·Di^-½ [KEY_PARTS, E] per key half (-inf where the
+    entry sees none of the half's keys), Σ t·(log t - z·Di^-½) [E] and Σ t [E]. A query's KL is
+    Σ of the second over its selections + LSE_z · Σ of the third, LSE_z the logsumexp of the
+    first (pallas.py), so the attention pass needs no student. Arguments as `gradients`', the
+    window without lse_z and d_kl; at most `bound` segments (more: the entries past them are
+    lost, so the caller takes the KL pass there)."""
     slots = slot_layout(operands["table"], lists.num_segments, geo.entries, bound)
-    index_q, data, values = slot_operands(geo, lists, slots, window, values=("lse_z",))
+    index_q, data, _ = slot_operands(geo, lists, slots, window, values=())
     count = num_slots(geo.entries, bound)
     operands = dict(table=operands["table"], count=operands["count"], kseg=operands["kseg"],
                     ik=index_keys, base=slots.base, iq=index_q, slot_data=data,
-                    slot_values=values,
                     teacher=teacher_tiles(window["teacher"], slots, count))  # fmt: skip
-    outputs = dict(kl=jax.ShapeDtypeStruct((KEY_PARTS * count * SLOT_ENTRIES,), jnp.float32))
-    kl = _launch(geo, tiling, operands, outputs, interpret)["kl"].reshape(KEY_PARTS, -1).sum(0)
-    return kl.at[slots.row_of_entry].get(mode="fill", fill_value=0.0)
+    rows = jax.ShapeDtypeStruct((KEY_PARTS * count * SLOT_ENTRIES,), jnp.float32)
+    results = _launch(geo, tiling, operands, dict.fromkeys(TERMS, rows), interpret)
+    lse_z, cross, mass = (
+        results[name].reshape(KEY_PARTS, -1).at[:, slots.row_of_entry].get(
+            mode="fill", fill_value=-jnp.inf if name == "lse_z" else 0.0)
+        for name in TERMS
+    )  # fmt: skip
+    return lse_z, cross.sum(0), mass.sum(0)
 
 
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
     """The student's persistent kernel over the (segment, key half) items (module docstring):
-    its gradients (outputs diq, dik), or with output kl the KL shares per slot row and key half
-    (`kl_shares`)."""
+    its gradients (outputs diq, dik), or with outputs `TERMS` the forward's per slot row and key
+    half (`kl_terms`)."""
     dtype = operands["iq"].dtype
     index_dim = operands["iq"].shape[1]
     index_scale = index_dim**-0.5
-    shares = "kl" in outputs  # the forward's KL, no gradients
-    count = (outputs["kl"].shape[0] // (KEY_PARTS * SLOT_ENTRIES) if shares
+    terms = "mass" in outputs  # the forward's KL terms, no gradients
+    count = (outputs["mass"].shape[0] // (KEY_PARTS * SLOT_ENTRIES) if terms
              else outputs["diq"].shape[0] // (KEY_PARTS * index_dim * SLOT_PARTS))  # fmt: skip
     tile = (PART_KEYS, PART_ENTRIES)
     block_operands = ["kseg", "ik"]
+    per_row = [name for name in ("slot_data", "slot_values") if name in operands]
     accumulate = functools.partial(wgmmas, interpret)
 
     def kernel(*refs, **smem):
@@ -207,7 +222,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 rows = pl.ds((base + j) * SLOT_ENTRIES, SLOT_ENTRIES)
                 bar = smem["slot_bar"].at[0]
                 plgpu.copy_gmem_to_smem(ref["iq"].at[rows], smem["iq"], bar)
-                for name in ("slot_data", "slot_values"):
+                for name in per_row:
                     plgpu.copy_gmem_to_smem(ref[name].at[:, rows], smem[name], bar)
 
             fetch_slot(0)
@@ -221,10 +236,9 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 def _():
                     plgpu.barrier_wait(smem["slot_bar"].at[0])
 
-                query_slot, segment, lse_z, *d_kl = (
+                query_slot, segment, *values = (
                     plgpu.load(smem[name].at[c, entries], layout=COLUMN_LAYOUT, optimized=False)
-                    for name in ("slot_data", "slot_values")
-                    for c in range(smem[name].shape[0])
+                    for name in per_row for c in range(smem[name].shape[0])
                 )  # fmt: skip
                 seen = visible((query_slot, segment), key_slots, key_segments, tile,
                                key_axis=0)  # fmt: skip
@@ -232,13 +246,12 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                                      layout=WGMMA, optimized=False)  # fmt: skip
                 index_rows = smem["iq"].at[entries]
                 z = matmul(tile, (smem["ik"], index_rows.transpose((1, 0))))
-                if shares:  # the KL's terms where the teacher sees a key
-                    log_student = z * index_scale - broadcast(lse_z, tile, 1)
-                    teacher = jnp.where(seen, teacher, 0.0)
-                    smem["kl_out"].at[entries][...] = kl_rows(teacher, log_student, axis=0)
+                if terms:
+                    for name, value in zip(TERMS, _kl_terms(index_scale, z, teacher, seen)):
+                        smem[f"{name}_out"].at[entries][...] = value
                     return carry
+                lse_z, d_kl = values
                 student = normalised(index_scale, z, lse_z, seen, axis=1)
-                (d_kl,) = d_kl
                 d_z = (student - teacher) * broadcast(d_kl * index_scale, tile, 1)
                 d_z_rows = smem["dz"].at[entries]  # [entries, keys]: the last slot's wgmmas read it
                 d_z_rows.transpose((1, 0))[...] = d_z.astype(dtype)
@@ -255,13 +268,14 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
             def slot_body(j, dik):
                 """Slot j: its parts, then d(index_k) += d_zᵀ·index_q over its entries (or
                 the slot's KL shares stored)."""
-                if shares:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last slot's store
+                if terms:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last slot's stores
                 jax.lax.fori_loop(0, SLOT_PARTS, functools.partial(slot_part, j), 0)
-                if shares:
+                if terms:
                     plgpu.commit_smem()
                     rows = pl.ds((part * count + base + j) * SLOT_ENTRIES, SLOT_ENTRIES)
-                    plgpu.copy_smem_to_gmem(smem["kl_out"], ref["kl"].at[rows])
+                    for name in TERMS:
+                        plgpu.copy_smem_to_gmem(smem[f"{name}_out"], ref[name].at[rows])
                 else:
                     (dik,) = accumulate((dik,), [(smem["dz"].transpose((1, 0)), smem["iq"])])
                 plgpu.commit_smem()  # the slot's operands are read: the next slot's may land
@@ -269,7 +283,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 return dik
 
             dik = jax.lax.fori_loop(0, slot_count, slot_body, zeros((PART_KEYS, index_dim)))
-            if not shares:
+            if not terms:
                 store_sum(smem, ref, "dik", dik, pl.ds((index * KEY_PARTS + part) * PART_KEYS,
                                                       PART_KEYS))  # fmt: skip
 
@@ -279,12 +293,12 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         plgpu.wait_smem_to_gmem(0)
 
     # profiles show the kernel by this name
-    kernel.__name__ = "msa_mosaic_student_kl" if shares else "msa_mosaic_student_backward"
+    kernel.__name__ = "msa_mosaic_student_kl" if terms else "msa_mosaic_student_backward"
+    values = operands["slot_values"].shape[0] if "slot_values" in operands else 0
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
-        scratch_types=_scratch(dtype, index_dim, len(block_operands), shares,
-                               operands["slot_values"].shape[0]),  # fmt: skip
+        scratch_types=_scratch(dtype, index_dim, len(block_operands), terms, values),
         grid=(mosaic_forward.num_programs(tiling),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -293,21 +307,35 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     return dict(zip(outputs, run(*operands.values())))
 
 
-def _scratch(dtype, index_dim: int, key_copies: int, shares: bool, values: int) -> dict:
+def _kl_terms(index_scale: float, z, teacher, seen):
+    """A part's `TERMS` per entry (columns; keys along rows): the LSE of z·Di^-½ over the keys
+    it sees (-inf where none), Σ t·(log t - z·Di^-½) where t > 0, Σ t."""
+    scaled = jnp.where(seen, z * (index_scale * LOG2E), -jnp.inf)  # base 2, as softmax_block
+    top = scaled.max(axis=0)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    total = jnp.exp2(scaled - broadcast(top, scaled.shape, 1)).sum(axis=0)
+    teacher = jnp.where(seen, teacher, 0.0)
+    cross = kl_rows(teacher, z * index_scale, axis=0)
+    return block_lse(top, total), cross, teacher.sum(axis=0)
+
+
+def _scratch(dtype, index_dim: int, key_copies: int, terms: bool, values: int) -> dict:
     """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the gradients'):
-    with `shares` (the forward's KL) a slot's KL staging in place of the gradients' d_z and
-    stagings; `values` rows of per-slot-row values."""
+    with `terms` (the forward's KL) a slot's stagings of them in place of the gradients' d_z and
+    stagings; `values` rows of per-slot-row values (none for the terms)."""
     slot = SLOT_ENTRIES
     smem = functools.partial(tiles, dtype)
     scratch = dict(
         kseg=plgpu.SMEM((PART_KEYS,), jnp.int32), ik=smem(PART_KEYS, index_dim),
         iq=smem(slot, index_dim), slot_data=plgpu.SMEM((2, slot), jnp.int32),
-        slot_values=plgpu.SMEM((values, slot), jnp.float32),
         key_bars=plgpu.Barrier(num_barriers=key_copies),
-        slot_bar=plgpu.Barrier(num_arrivals=3, num_barriers=1),
+        slot_bar=plgpu.Barrier(num_arrivals=2 + bool(values), num_barriers=1),
     )  # fmt: skip
-    if shares:
-        return dict(scratch, kl_out=plgpu.SMEM((slot,), jnp.float32))
+    if values:
+        scratch["slot_values"] = plgpu.SMEM((values, slot), jnp.float32)
+    if terms:
+        return dict(scratch, **{f"{name}_out": plgpu.SMEM((slot,), jnp.float32)
+                                for name in TERMS})  # fmt: skip
     return dict(scratch, dz=smem(slot, PART_KEYS),
                 diq_out=tiles(jnp.float32, index_dim, PART_ENTRIES),
                 sum_out=tiles(jnp.float32, PART_KEYS, index_dim))  # fmt: skip

@@ -10,8 +10,9 @@
   with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL
   and the teacher, which the Mosaic backward's student gradients read (kept within
   `Config.teacher_bytes`, else that backward runs the KL pass again, as the teacher pass: the
-  teacher alone). `Config.kl_kernel="slots"` splits that second kernel in two: the teacher pass,
-  then the KL one row per entry in the student's kernel (mosaic_student.py).
+  teacher alone). `Config.kl_kernel="slots"` takes the student out of both: the attention pass
+  without it, the teacher pass, then the student's LSE and KL one row per entry in the
+  student's kernel (mosaic_student.py).
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
   multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
   32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel`
@@ -87,10 +88,11 @@ class Config:
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
     # backward runs the teacher pass for it (long rows: 8.6 GB a layer at 512K tokens)
     teacher_bytes: int = 1 << 30
-    # the Mosaic forward's KL with a student: "pass", the KL pass computes the student's logits
-    # and the KL on each of an entry's head rows; "slots" (not yet timed on a GPU), the pass
-    # computes the teacher alone and the student's kernel takes the KL one row per entry
-    # (mosaic_student.kl_shares), the pass' way kept for windows of more segments than it holds
+    # the Mosaic forward's KL with a student: "pass", the attention pass and the KL pass compute
+    # the student's logits (its LSE, the KL) on each of an entry's head rows; "slots" (not yet
+    # timed on a GPU), the attention pass runs without the student and the KL pass computes the
+    # teacher alone; the student's kernel takes LSE_z and the KL one row per entry
+    # (mosaic_student.kl_terms); the pass' way kept for windows of more segments than it holds
     kl_kernel: str = "pass"
 
     @property
@@ -369,54 +371,62 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         """The Mosaic KL pass of a window -> (per-entry KL shares, teacher per sorted entry or
         None); student: (`index_rows` of index_q, index keys), or None: the teacher pass (no
         KL shares, the teacher)."""
+        if lse_z is None:  # the teacher pass of a forward without the student's LSE
+            lse_z = jnp.zeros(lse.shape[:-1], jnp.float32)
         lses = mosaic_forward.row_values(geo, lists, [lse], [lse_z])
         return mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student, lses,
                                       with_teacher=with_teacher, **kernels)  # fmt: skip
 
     def mosaic_window(keys, index_keys, segment_ids, window):
-        """The Mosaic forward of a window: presort, kernel, combine; with a student then the KL
-        pass on the combined LSEs, its shares summed per query, and its teacher per sorted entry
-        (for the Mosaic backward's student gradients; else None)."""
+        """The Mosaic forward of a window (`mosaic_attention`); with `kl_kernel="slots"` the
+        KL on slots of entries where they hold the window's segments, else the KL pass."""
         geo, tiling = forward_geo, config.mosaic
         q, index_q, blocks, positions, offset = window
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         chunk_walk = mosaic_forward.walk(geo, lists, q, segment_ids, offset)
+        run = functools.partial(mosaic_attention, geo, tiling, lists, valid, chunk_walk, keys,
+                                index_keys, segment_ids, window)  # fmt: skip
+        if not (with_student and config.kl_kernel == "slots"):
+            return run()
+        bound = mosaic_backward.segment_bound(geo, tiling)
+        return jax.lax.cond(lists.num_segments[0] > bound, run, functools.partial(run, bound))
+
+    def mosaic_attention(geo, tiling, lists, valid, chunk_walk, keys, index_keys, segment_ids,
+                         window, slots_bound=None):  # fmt: skip
+        """Kernel, combine; with a student then the KL and the teacher per sorted entry (for
+        the Mosaic backward's student gradients; else None): by the KL pass on the combined
+        LSEs, each entry's shares summed per query; or (`slots_bound`: segments the student's
+        slots hold) by the attention pass without the student, the teacher pass and the
+        student's kernel one row per entry (`mosaic_student.kl_terms`: LSE_z and the KL from
+        its per-entry terms)."""
+        q, index_q, _, _, offset = window
         student = None
-        if with_student:
+        if with_student and slots_bound is None:
             student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
         o, lse_e, lse_z_e = mosaic_forward.forward(geo, tiling, chunk_walk, *keys, student,
                                                    **kernels)  # fmt: skip
         out, lse, lse_z = mosaic_forward.combine(geo, lists, valid, o, lse_e, lse_z_e)
         kl = teacher = None
-        if with_student:
-            shares = functools.partial(entry_kl, geo, tiling, lists, chunk_walk, keys, student,
-                                       lse, lse_z, index_q, index_keys, segment_ids, offset)
-            if config.kl_kernel == "slots":
-                bound = mosaic_backward.segment_bound(geo, tiling)
-                overflow = lists.num_segments[0] > bound
-                kl_e, teacher = jax.lax.cond(overflow, shares, functools.partial(shares, bound))
-            else:
-                kl_e, teacher = shares()
-            kl = by_slot(kl_e, lists, valid, 0.0).sum(axis=3)  # a query's k shares add up
-        return out.astype(q.dtype), kl, lse, lse_z, teacher
-
-    def entry_kl(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z, index_q,
-                 index_keys, segment_ids, offset, bound=None):  # fmt: skip
-        """A window's KL share per sorted entry [E] and the teacher [E, block] (or None where
-        not kept): from the KL pass with the student (`bound` None), or from the teacher pass
-        and the student's kernel on slots of entries (windows of at most `bound` segments)."""
-        if bound is None:
+        if student is not None:
             kl_e, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z,
                                     keeps_teacher)  # fmt: skip
-            # each entry's KL share sits in its first row
-            return kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0], teacher
-        _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, None, lse, lse_z, True)
-        window = dict(index_q=index_q, q=chunk_walk.q_rows, lse_z=lse_z, teacher=teacher,
-                      segment_ids=segment_ids, offset=offset)  # fmt: skip
-        operands = dict(chunk_walk.operands(), kseg=keys[2])
-        kl_e = mosaic_student.kl_shares(geo, tiling, lists, operands, window, index_keys, bound,
-                                        **kernels)  # fmt: skip
-        return kl_e, teacher if keeps_teacher else None
+            # each entry's KL share sits in its first row; a query's k shares add up
+            first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
+            kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
+        elif with_student:
+            _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, None, lse, None, True)
+            entries = dict(index_q=index_q, q=chunk_walk.q_rows, teacher=teacher,
+                           segment_ids=segment_ids, offset=offset)  # fmt: skip
+            operands = dict(chunk_walk.operands(), kseg=keys[2])
+            lse_z_e, cross, mass = mosaic_student.kl_terms(
+                geo, tiling, lists, operands, entries, index_keys, slots_bound, **kernels
+            )
+            lse_z = jax.nn.logsumexp(by_slot(jnp.logaddexp(*lse_z_e), lists, valid, -jnp.inf), 3)
+            mass = by_slot(mass, lists, valid, 0.0).sum(axis=3)  # 1 where the query sees keys
+            kl = by_slot(cross, lists, valid, 0.0).sum(axis=3)
+            kl = kl + jnp.where(mass > 0, lse_z * mass, 0.0)
+            teacher = teacher if keeps_teacher else None
+        return out.astype(q.dtype), kl, lse, lse_z, teacher
 
     def forward_window(k, v, index_k, segments, window):
         geo, tiling = forward_geo, config.forward

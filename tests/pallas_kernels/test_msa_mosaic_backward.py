@@ -38,10 +38,10 @@ from pallas_kernels.msa import (
 )
 
 
-def mosaic(forward_kernel: str = "triton", warpgroups: int = 1) -> pallas.Config:
+def mosaic(forward_kernel: str = "triton", warpgroups: int = 1, kl_kernel: str = "pass"):
     tiling = mosaic_forward.Tiling(segment_chunks=2, warpgroups=warpgroups)
     return pallas.Config(forward_kernel=forward_kernel, backward_kernel="mosaic",
-                         mosaic_backward=tiling)  # fmt: skip
+                         mosaic_backward=tiling, kl_kernel=kl_kernel)  # fmt: skip
 
 
 def reference_gradients(q, k, v, blocks, segments, positions, index=None):
@@ -78,16 +78,19 @@ def test_gradients_match_reference_and_triton(group, kv_heads, warpgroups):
     assert_gradients_equal(got, gradients(pallas.Config(), *args))
 
 
-@pytest.mark.parametrize("group, kv_heads, forward, warpgroups",
-                         [(4, 2, "mosaic", 1), (16, 1, "mosaic", 1), (16, 1, "triton", 1),
-                          (16, 1, "mosaic", 2)])  # fmt: skip
-def test_student_gradients_match_reference_and_triton(group, kv_heads, forward, warpgroups):
+@pytest.mark.parametrize("group, kv_heads, forward, warpgroups, kl_kernel",
+                         [(4, 2, "mosaic", 1, "pass"), (16, 1, "mosaic", 1, "pass"),
+                          (16, 1, "triton", 1, "pass"), (16, 1, "mosaic", 2, "pass"),
+                          (16, 1, "mosaic", 1, "slots")])  # fmt: skip
+def test_student_gradients_match_reference_and_triton(group, kv_heads, forward, warpgroups,
+                                                      kl_kernel):  # fmt: skip
     """d(q, k, v, index_q, index_k) with the student, after the Mosaic forward (its LSE, LSE_z
-    and teacher residuals) or the Triton one (no teacher kept: the backward runs the KL pass for
-    it); the packed row alone, to keep the interpreter's time down."""
+    and teacher residuals; LSE_z from the student's kernel with the KL on slots) or the Triton
+    one (no teacher kept: the backward runs the teacher pass for it); the packed row alone, to
+    keep the interpreter's time down."""
     args = inputs(group, kv_heads, batch=1, head_dim=64 * warpgroups)
     index = student(kv_heads, args[0].shape[1], args[0].shape[0])
-    got = gradients(mosaic(forward, warpgroups), *args, index=index)
+    got = gradients(mosaic(forward, warpgroups, kl_kernel), *args, index=index)
     assert_gradients_equal(got, reference_gradients(*args, index=index))
     assert_gradients_equal(got, gradients(pallas.Config(), *args, index=index))
 

@@ -85,13 +85,14 @@ def test_forward_matches_reference(group, kv_heads, stages):
                                                         (4, 2, "slots"), (16, 1, "slots")])
 def test_forward_with_student_matches_reference(group, kv_heads, kl_kernel):
     """With the student: out and the KL per (query, kv head) against the reference, on the packed
-    row (the forward kernel's per-entry LSE_z combined, then on the global LSEs the KL pass, or
-    the teacher pass and the student's kernel on slots of entries)."""
+    row (the forward kernel's per-entry LSE_z combined, then on the global LSEs the KL pass; or
+    the attention pass without the student, the teacher pass and the student's kernel on slots
+    of entries)."""
     q, k, v, blocks, segments, positions = args = inputs(group, kv_heads, batch=1)
     assert (np.asarray(blocks) == -1).any()
     index = student(kv_heads, q.shape[1], 1)
     config = mosaic(kl_kernel=kl_kernel)
-    with mock.patch.object(mosaic_student, "kl_shares", wraps=mosaic_student.kl_shares) as slots:
+    with mock.patch.object(mosaic_student, "kl_terms", wraps=mosaic_student.kl_terms) as slots:
         out, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index, config=config,
                                           interpret=True)  # fmt: skip
     assert slots.called == (kl_kernel == "slots")
@@ -118,7 +119,7 @@ def test_kl_on_slots_leaves_a_window_of_more_segments_than_room_to_the_kl_pass()
     blocks = reference.top_blocks(*index, segments, positions, block_size=BLOCK, topk_blocks=2,
                                   local_blocks=1)  # fmt: skip
     args = (q, k, v, blocks, segments, positions)
-    with mock.patch.object(mosaic_student, "kl_shares", wraps=mosaic_student.kl_shares) as slots:
+    with mock.patch.object(mosaic_student, "kl_terms", wraps=mosaic_student.kl_terms) as slots:
         _, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index,
                                         config=mosaic(kl_kernel="slots"), interpret=True)
     assert slots.called  # traced in the cond's other branch
@@ -176,8 +177,8 @@ def test_student_gradients_equal_the_triton_forwards(group, kv_heads):
 def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints) runs on CPU: the forward
     kernel, with a student also its LSE_z outputs and the KL pass (Di = 128, M3's); with the KL
-    on slots the teacher pass and the student's KL kernel too (beside the KL pass, which a
-    window of more segments than they hold takes)."""
+    on slots also the forward without the student, the teacher pass and the student's KL kernel
+    (beside the first two, which a window of more segments than the slots hold takes)."""
 
     def forward(q, k, v, blocks, segments, positions, *index):
         return pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
@@ -188,7 +189,7 @@ def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel):
     text = jax.jit(forward).trace(*cuda_operands(with_student)).lower(
         lowering_platforms=("cuda",)
     ).as_text()
-    kernels = {"pass": 2, "slots": 4}[kl_kernel] if with_student else 1
+    kernels = {"pass": 2, "slots": 5}[kl_kernel] if with_student else 1
     assert text.count("custom_call @mosaic_gpu") == kernels
 
 
