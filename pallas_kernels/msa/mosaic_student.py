@@ -267,7 +267,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
             def slot_body(j, dik):
                 """Slot j: its parts, then d(index_k) += d_zᵀ·index_q over its entries (or
-                the slot's KL shares stored)."""
+                the slot's KL terms stored)."""
                 if terms:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last slot's stores
                 jax.lax.fori_loop(0, SLOT_PARTS, functools.partial(slot_part, j), 0)
