@@ -190,11 +190,11 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
             plgpu.barrier_wait(smem["pair_bar"])
 
         def program(half: int | None):  # half: the paired warpgroup's key half, else None
-            own = smem
+            own = dict(smem, key_bars=smem[f"key_bars{half or 0}"])
             if paired:
-                own = {name: half_of(smem[name], half) for name in ("k", "v", "kseg", "p", "ds",
-                                                                    "dq_out", "sum_out")}
-                own = dict(smem, **own, key_bars=smem[f"key_bars{half}"])  # fmt: skip
+                own.update({name: half_of(smem[name], half) for name in ("k", "v", "kseg", "p",
+                                                                         "ds", "dq_out",
+                                                                         "sum_out")})  # fmt: skip
 
             def item_body(index, part):
                 part = part if half is None else half
@@ -234,11 +234,10 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
             pl.when(wg == half)(functools.partial(program, half))
 
     kernel.__name__ = "msa_mosaic_backward"  # profiles show the kernel by its function's name
-    scratch = _paired_scratch if paired else _scratch
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
-        scratch_types=scratch(geo, tiling, dtype, len(block_operands)),
+        scratch_types=_scratch(geo, tiling, dtype, len(block_operands)),
         grid=(mosaic_forward.num_programs(tiling),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -276,46 +275,30 @@ def _gradients_chunk(geo, dtype, wgmmas, smem, own, half, meet, slot, seen, valu
 
 
 def half_of(ref, part: int):
-    """Warpgroup `part`'s rows of a `_paired_scratch` buffer (the halves stacked along rows: a
+    """Warpgroup `part`'s rows of a paired `_scratch` buffer (the halves stacked along rows: a
     static slice, where a static index would reach wgmma's state as a constant operand that
     Mosaic GPU's lowering rejects)."""
     rows = ref.shape[0] // KEY_PARTS
     return ref.at[pl.ds(part * rows, rows)]
 
 
-def _paired_scratch(geo, tiling, dtype, key_copies: int) -> dict:
-    """Shared memory and barriers of the paired `_launch` by name: the block's K, V, key segment
-    ids, Pᵀ, dSᵀ and the stagings with each warpgroup's half stacked along rows (`half_of`), the
-    rings shared (`shared_bytes` counts the same)."""
-    rows, stages, parts, columns = tiling.rows, tiling.stages, KEY_PARTS, geo.head_dim // KEY_PARTS
-    smem, keys = functools.partial(tiles, dtype), KEY_PARTS * PART_KEYS
-    key_bars = {f"key_bars{part}": plgpu.Barrier(num_barriers=key_copies)
-                for part in range(parts)}  # fmt: skip
+def _scratch(geo, tiling, dtype, key_copies: int) -> dict:
+    """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the same): the key
+    halves' K, V, key segment ids, Pᵀ, dSᵀ and the stagings of their dQ and sum columns, one per
+    warpgroup stacked along rows (`half_of`), each with its key barriers; the rings shared."""
+    rows, stages, groups = tiling.rows, tiling.stages, tiling.warpgroups
+    smem, keys = functools.partial(tiles, dtype), groups * PART_KEYS
+    columns = geo.head_dim // groups
+    key_bars = {f"key_bars{group}": plgpu.Barrier(num_barriers=key_copies)
+                for group in range(groups)}  # fmt: skip
+    pair_bar = {"pair_bar": plgpu.Barrier(num_arrivals=groups)} if groups > 1 else {}
     return dict(
         k=smem(keys, geo.head_dim), v=smem(keys, geo.head_dim),
         kseg=plgpu.SMEM((keys,), jnp.int32), q=smem(stages, rows, geo.head_dim),
         do=smem(stages, rows, geo.head_dim), p=smem(keys, rows), ds=smem(keys, rows),
         data=plgpu.SMEM((stages, 2, rows), jnp.int32),
-        values=plgpu.SMEM((stages, 2, rows), jnp.float32), dq_out=smem(parts * rows, columns),
-        sum_out=tiles(jnp.float32, keys, columns),
+        values=plgpu.SMEM((stages, 2, rows), jnp.float32), dq_out=smem(groups * rows, columns),
+        sum_out=tiles(jnp.float32, keys, columns), **key_bars,
         q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 2, 0), num_barriers=stages),
-        data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        pair_bar=plgpu.Barrier(num_arrivals=parts), **key_bars,
-    )  # fmt: skip
-
-
-def _scratch(geo, tiling, dtype, key_copies: int) -> dict:
-    """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the same)."""
-    rows, stages = tiling.rows, tiling.stages
-    smem = functools.partial(tiles, dtype)
-    return dict(
-        k=smem(PART_KEYS, geo.head_dim), v=smem(PART_KEYS, geo.head_dim),
-        kseg=plgpu.SMEM((PART_KEYS,), jnp.int32), q=smem(stages, rows, geo.head_dim),
-        do=smem(stages, rows, geo.head_dim), p=smem(PART_KEYS, rows), ds=smem(PART_KEYS, rows),
-        data=plgpu.SMEM((stages, 2, rows), jnp.int32),
-        values=plgpu.SMEM((stages, 2, rows), jnp.float32), dq_out=smem(rows, geo.head_dim),
-        sum_out=tiles(jnp.float32, PART_KEYS, geo.head_dim),
-        key_bars=plgpu.Barrier(num_barriers=key_copies),
-        q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 2, 0), num_barriers=stages),
-        data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages), **pair_bar,
     )  # fmt: skip

@@ -483,8 +483,9 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 pl.when(chunk + stages < num_chunks)(lambda: fetch(chunk + stages))
                 teacher = None
                 if kl:
-                    kl_rows_, teacher = _kl_chunk(smem, logits, seen, z, *per_row["lses"])
-                    results.update({} if z is None else {"kl": kl_rows_})
+                    kl_values, teacher = _kl_chunk(smem, logits, seen, z, *per_row["lses"])
+                    if kl_values is not None:
+                        results["kl"] = kl_values
                 else:
                     results.update(_attention_chunk(smem, logits, seen))
                 if results:

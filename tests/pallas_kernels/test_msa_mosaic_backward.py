@@ -69,10 +69,9 @@ def test_gradients_match_reference_and_triton(group, kv_heads, warpgroups):
     halves of 64)."""
     args = inputs(group, kv_heads, head_dim=64 * warpgroups)
     assert (np.asarray(args[3]) == -1).any()
-    paired = mosaic_backward._paired_scratch
-    with mock.patch.object(mosaic_backward, "_paired_scratch", wraps=paired) as scratch:
+    with mock.patch.object(mosaic_backward, "half_of", wraps=mosaic_backward.half_of) as halves:
         got = gradients(mosaic(warpgroups=warpgroups), *args)
-    assert scratch.called == (warpgroups == 2)
+    assert halves.called == (warpgroups == 2)
     assert all(np.isfinite(as_f32(g)).all() for g in got)
     assert_gradients_equal(got, reference_gradients(*args))
     assert_gradients_equal(got, gradients(pallas.Config(), *args))
