@@ -10,8 +10,14 @@ HF_STAMP := $(HF_VENV)/.installed
 
 DEMO_BPE_TOKENIZER := .cache/demo-bpe/tokenizer.json
 NOTEBOOKS_STAMP := $(VENV)/.notebooks-installed
+# jax's CUDA plugin at the jax pin, for `m3-plan --target h200` (XLA:GPU ahead of time, no GPU
+# needed; pretrain/gpu_target.py). Beside the venv, not in it: there, every jax process would try
+# to start CUDA.
+PLAN_GPU := .cache/plan-gpu
+PLAN_GPU_STAMP := $(PLAN_GPU)/.installed
+JAX_PIN = $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: demo demo-bpe test notebooks clean-demo
+.PHONY: demo demo-bpe test notebooks plan-gpu clean-demo
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else "m3jax needs Python 3.12; found " + sys.version.split()[0] + " at " + sys.executable)'
@@ -35,7 +41,7 @@ $(DEMO_BPE_TOKENIZER): | $(STAMP)
 # in one process with the rest, a later XLA:CPU compile in a training test crashed in libgcc's
 # unwinder on a stale registered eh_frame (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-03).
 # ARGS (paths, -k ...) run one process as given.
-test: $(STAMP) $(HF_STAMP)
+test: $(STAMP) $(HF_STAMP) $(PLAN_GPU_STAMP)
 ifeq ($(strip $(ARGS)),)
 	$(VENV)/bin/python -m pytest -q tests/pallas_kernels
 	$(VENV)/bin/python -m pytest -q --ignore=tests/pallas_kernels
@@ -50,6 +56,14 @@ notebooks: $(NOTEBOOKS_STAMP)
 $(NOTEBOOKS_STAMP): $(STAMP)
 	$(VENV)/bin/python -m pip install -q -e '.[test,notebooks]'
 	@touch $(NOTEBOOKS_STAMP)
+
+plan-gpu: $(PLAN_GPU_STAMP)
+
+$(PLAN_GPU_STAMP): pyproject.toml | $(STAMP)
+	rm -rf $(PLAN_GPU)
+	$(VENV)/bin/python -m pip install -q --no-deps --target $(PLAN_GPU) \
+		jax-cuda13-plugin==$(JAX_PIN) jax-cuda13-pjrt==$(JAX_PIN)
+	@touch $@
 
 $(HF_STAMP):
 	@$(HF_PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "parity tests need Python 3.11 (set HF_PYTHON); found " + sys.version.split()[0] + " at " + sys.executable)'

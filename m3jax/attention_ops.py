@@ -27,6 +27,7 @@ from types import ModuleType
 import jax
 
 from m3jax.config import MSAConfig
+from pallas_kernels import target
 from pallas_kernels.attention import cudnn as attention_cudnn
 from pallas_kernels.attention import splash as attention_splash
 from pallas_kernels.attention import xla as attention_xla
@@ -50,7 +51,7 @@ def msa_backend(
     """The module that runs an MSA layer with these operands under `attention_impl=impl`."""
     if impl in ("reference", "xla"):
         return MSA_BACKENDS[impl]
-    platform = jax.default_backend()
+    platform = target.platform()
     if impl == "auto" and platform not in ("gpu", "tpu"):
         return msa_xla
     kernels = msa_tpu if platform == "tpu" else msa_pallas
@@ -80,10 +81,10 @@ def dense(
             mask = document_causal_mask(segment_ids, query_slots)
         return gqa_attention(q, k, v, mask[:, None, None])
     if impl in ("pallas", "auto"):
-        kernels = attention_splash if jax.default_backend() == "tpu" else attention_cudnn
+        kernels = attention_splash if target.platform() == "tpu" else attention_cudnn
         reason = kernels.unsupported_reason(q, k)
         # on a CPU, "pallas" interprets the MSA kernels; cuDNN and splash have no interpreter
-        if impl == "pallas" and reason and jax.default_backend() != "cpu":
+        if impl == "pallas" and reason and target.platform() != "cpu":
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
             return kernels.dense_attention(

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pallas_kernels import target
+
 DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, SEQ_AXIS, TENSOR_AXIS = "data", "fsdp", "expert", "seq", "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, SEQ_AXIS, TENSOR_AXIS)
 
@@ -37,7 +39,7 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def make_mesh(axis_sizes: Mapping[str, int], devices: list | None = None) -> Mesh:
     """A mesh over all devices with axes MESH_AXES; one size may be -1 (= whatever is left)."""
-    devices = jax.devices() if devices is None else devices
+    devices = target.devices() if devices is None else devices
     sizes = [axis_sizes.get(name, 1) for name in MESH_AXES]
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")

@@ -4,8 +4,9 @@ Each collective counts the size of its full (unsharded) side on one device: the 
 all-gather, all-reduce, all-to-all or collective-permute, the operand of a reduce-scatter. Work in
 a `while` counts its known trip count times (layer scans); of a `conditional`'s branches the
 cheapest counts, since one runs per call and the expert-parallel exchange's worst-case branch is the
-rare one (m3jax/moe/padded.py). These are bytes per device per step, not wire traffic: a ring
-all-gather of B bytes over n devices sends (n - 1)/n · B from each.
+rare one (m3jax/moe/padded.py). XLA:GPU's asynchronous pairs (`all-to-all-start` ...
+`all-to-all-done`) count once, at the done. These are bytes per device per step, not wire
+traffic: a ring all-gather of B bytes over n devices sends (n - 1)/n · B from each.
 """
 
 import collections
@@ -74,6 +75,7 @@ def _branch_bytes(computations: dict, name: str) -> int:
 def _parse(hlo_text: str):
     """{computation: [(op, bytes, called computations, conditional branches, trip count)]}."""
     computations, entry, current, sizes = {}, None, None, {}
+    started = {}  # async collectives' start -> operand bytes (None: over size-1 axes)
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
@@ -85,10 +87,20 @@ def _parse(hlo_text: str):
             continue
         name, result, op, rest = instruction.groups()
         sizes[name] = _array_bytes(result)
-        if op in COLLECTIVES and _group_size(line) == 1:
+        operands = _NAME.findall(rest.split(")", 1)[0])
+        if op.endswith("-start") and op.removesuffix("-start") in COLLECTIVES:
+            # XLA:GPU's async pair: the start holds the groups and operands, the done the result
+            started[name] = None if _group_size(line) == 1 else sum(map(sizes.get, operands))
+            continue
+        if op.endswith("-done") and op.removesuffix("-done") in COLLECTIVES:
+            op, operand_bytes = op.removesuffix("-done"), started.get(operands[0])
+            if operand_bytes is None:
+                continue
+            size = operand_bytes if op in _OPERAND_SIDE else sizes[name]
+        elif op in COLLECTIVES and _group_size(line) == 1:
             continue  # over size-1 mesh axes only: moves nothing
-        if op in _OPERAND_SIDE:  # operands are named, their types are where they are defined
-            size = sum(sizes.get(operand, 0) for operand in _NAME.findall(rest.split(")", 1)[0]))
+        elif op in _OPERAND_SIDE:  # operands are named, their types are where they are defined
+            size = sum(sizes.get(operand, 0) for operand in operands)
         else:
             size = sizes[name]
         trips = _TRIP_COUNT.search(line)

@@ -1,23 +1,27 @@
 """m3-plan: the per-device memory and traffic of a training step on a mesh, without the hardware.
 
 The train step that `m3-train` would run (pretrain/session.py, with its state and batch
-shardings) is compiled ahead of time for N fake CPU devices from abstract inputs
-(`jax.ShapeDtypeStruct`s with shardings: nothing is allocated). Reported per device:
+shardings) is compiled ahead of time from abstract inputs (`jax.ShapeDtypeStruct`s with
+shardings: nothing is allocated), for N H200s by XLA:GPU (`--target h200`: the program a GPU run
+compiles, kernels included; pretrain/gpu_target.py) or for N fake CPU devices by XLA:CPU (the
+default: no plugin needed, an estimate). Reported per device:
 - params, optimizer state and buffers: exact, from the full model's shapes and shardings;
 - activations and temporaries: the compiled program's temp buffers (`memory_analysis()`);
 - collectives: bytes per step by op (pretrain/hlo_collectives.py);
 - training FLOPs per token at the planned context (m3jax/cost_model.py, 3 × forward).
-Compiled for XLA:CPU: GPU and TPU compilers fuse and schedule differently and take their own
-attention and grouped-matmul paths, so the temporaries are an estimate of the same program, not a
-measurement. With `--layers L` only the first L and L + 1 layers are compiled; temporaries and
-collectives grow by their difference per remaining layer (the layers after L must all be of one
-kind), and the output says so.
+For XLA:CPU, GPU and TPU compilers fuse and schedule differently and take their own attention and
+grouped-matmul paths, so the temporaries are an estimate of the same program. With `--layers L`
+only the first L and L + 1 layers are compiled; temporaries and collectives grow by their
+difference per remaining layer (the layers after L must all be of one kind), and the output says
+so.
 """
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
+import re
 import sys
 
 import jax
@@ -26,13 +30,15 @@ import jax.numpy as jnp
 from batch_format.batch import make_batch
 from m3jax import cost_model, sharding
 from m3jax.model import functional
-from pretrain import hlo_collectives
+from pallas_kernels import target
+from pretrain import gpu_target, hlo_collectives
 from pretrain.cli import add_debug_flag, run_command
 from pretrain.config import RunConfig, load_run_config
 from pretrain.mfu import TRAINING_PER_FORWARD
 from pretrain.session import TrainingSession
 
 GB = 1e9
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +57,8 @@ class Plan:
     compiled_layers: tuple[int, int] | None
     notes: tuple[str, ...] = ()  # what was planned differently from the config, and why
     largest: tuple[str, ...] = ()  # the largest collectives of the (last) compiled program
+    target: str = "cpu"  # what it was compiled for: "cpu" (fake devices) or a GPU's name
+    kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # custom-call target -> calls
 
     @property
     def total(self) -> int:
@@ -60,8 +68,10 @@ class Plan:
     def describe(self) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "one device"
         devices = math.prod(self.mesh.values())
+        compiler = "XLA:CPU, fake devices" if self.target == "cpu" else f"XLA:GPU for {self.target}"
         rows = [
-            f"mesh {mesh} ({devices} devices); batch {self.batch_size} x {self.seq_len} tokens",
+            f"mesh {mesh} ({devices} devices, {compiler}); "
+            f"batch {self.batch_size} x {self.seq_len} tokens",
             f"  params        {self.params / GB:10.4g} GB per device",
             f"  optimizer     {self.opt_state / GB:10.4g} GB",
             f"  buffers       {self.buffers / GB:10.4g} GB",
@@ -71,6 +81,9 @@ class Plan:
             f"  training FLOPs per token {self.flops_per_token:.4g}",
         ]
         rows += [f"    {line}" for line in self.largest]
+        if self.kernels:
+            calls = ", ".join(f"{name} {count}" for name, count in self.kernels.items())
+            rows.append(f"  custom calls in the compiled step: {calls}")
         rows += [f"  ({note})" for note in self.notes]
         if self.compiled_layers:
             low, high = self.compiled_layers
@@ -85,8 +98,9 @@ class Plan:
 
 
 def plan(run: RunConfig, layers: int | None = None) -> Plan:
-    """Plans `run` on its mesh (`run.mesh`) over this process's devices (fake CPU ones)."""
-    run, notes = cpu_stand_ins(run)
+    """Plans `run` on its mesh (`run.mesh`) over the target devices (pallas_kernels/target.py:
+    this process's fake CPU ones, or GPUs under `gpu_target.compiling_for`)."""
+    run, notes = cpu_stand_ins(run) if target.platform() == "cpu" else (run, [])
     config = run.model
     session = TrainingSession(functional(config), run, checkpoints=None, report=lambda _: None)
     state, shardings = session.abstract_state, session.state_shardings
@@ -95,10 +109,10 @@ def plan(run: RunConfig, layers: int | None = None) -> Plan:
         for part in ("params", "opt_state", "buffers")
     }
     if layers is None or layers >= config.num_layers:
-        temporaries, collectives, largest = compile_step(session)
+        temporaries, collectives, largest, kernels = compile_step(session)
         compiled = None
     else:
-        temporaries, collectives, largest = _grown_by_layers(run, layers)
+        temporaries, collectives, largest, kernels = _grown_by_layers(run, layers)
         compiled = (layers, layers + 1)
     flops = TRAINING_PER_FORWARD * cost_model.forward_flops_per_token(config, run.data.seq_len)
     return Plan(
@@ -114,6 +128,8 @@ def plan(run: RunConfig, layers: int | None = None) -> Plan:
         compiled_layers=compiled,
         notes=tuple(notes),
         largest=tuple(largest),
+        target="cpu" if target.platform() == "cpu" else target.devices()[0].device_kind,
+        kernels=kernels,
     )
 
 
@@ -131,9 +147,9 @@ def cpu_stand_ins(run: RunConfig) -> tuple[RunConfig, list[str]]:
     return dataclasses.replace(run, model=dataclasses.replace(run.model, moe=moe)), [note]
 
 
-def compile_step(session: TrainingSession) -> tuple[int, dict[str, int], list[str]]:
-    """(temp bytes per device, collective bytes per step, the largest collectives) of the
-    session's compiled step."""
+def compile_step(session: TrainingSession) -> tuple[int, dict[str, int], list[str], dict]:
+    """(temp bytes per device, collective bytes per step, the largest collectives, calls by
+    custom-call target) of the session's compiled step."""
     run = session.run
     shape = (run.data.batch_size, run.data.seq_len)
     ids, weights = (
@@ -154,10 +170,17 @@ def compile_step(session: TrainingSession) -> tuple[int, dict[str, int], list[st
         memory.temp_size_in_bytes,
         hlo_collectives.collective_bytes(hlo),
         hlo_collectives.largest(hlo, 5),
+        custom_calls(hlo),
     )
 
 
-def _grown_by_layers(run: RunConfig, layers: int) -> tuple[int, dict[str, int], list[str]]:
+def custom_calls(hlo_text: str) -> dict[str, int]:
+    """{custom-call target: calls in the program's text} (kernels: Mosaic GPU, Triton, cuDNN),
+    most first; calls inside loops count once."""
+    return dict(collections.Counter(_CUSTOM_CALL.findall(hlo_text)).most_common())
+
+
+def _grown_by_layers(run: RunConfig, layers: int) -> tuple[int, dict[str, int], list[str], dict]:
     """Temporaries and collectives of all layers, from compiling `layers` and `layers` + 1."""
     config = run.model
     # from layer L - 2 on one kind: both compiles scan >= 2 of it (a scan of 1 plans differently)
@@ -174,7 +197,7 @@ def _grown_by_layers(run: RunConfig, layers: int) -> tuple[int, dict[str, int], 
     collectives = {
         op: high[1].get(op, 0) + extra * (high[1].get(op, 0) - low[1].get(op, 0)) for op in ops
     }
-    return temporaries, collectives, high[2]
+    return temporaries, collectives, high[2], high[3]
 
 
 def _session(run: RunConfig, layers: int) -> TrainingSession:
@@ -206,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="m3-plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a run config YAML (configs/*.yaml)")
     parser.add_argument("--mesh", required=True, help="axis sizes, e.g. fsdp=16,expert=8")
-    parser.add_argument("--devices", type=int, required=True, help="fake CPU devices to plan on")
+    parser.add_argument("--devices", type=int, required=True, help="devices to plan on")
+    parser.add_argument(
+        "--target", choices=("cpu", "h200"), default="cpu",
+        help="compile for fake CPU devices (XLA:CPU, an estimate) or for H200s (XLA:GPU ahead "
+        "of time, no GPU needed; `make plan-gpu` installs jax's CUDA plugin)",
+    )  # fmt: skip
     parser.add_argument("--layers", type=int, help="compile this many layers and one more, grow")
     parser.add_argument("--seq-len", type=int, help="tokens per row (default: data.seq_len)")
     parser.add_argument(
@@ -219,11 +247,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan_command(args) -> int:
+    if args.target == "h200":
+        gpu_target.start_without_gpu()  # before any backend starts
+        with gpu_target.compiling_for(gpu_target.h200_devices(args.devices)):
+            return _plan_devices(args)
     # before any device exists: N fake CPU devices (nothing is allocated on them)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
     if jax.device_count() != args.devices:
         raise RuntimeError(f"--devices {args.devices}: jax already has {jax.device_count()}")
+    return _plan_devices(args)
+
+
+def _plan_devices(args) -> int:
     mesh = {**dict.fromkeys(sharding.MESH_AXES, 1), **parse_mesh(args.mesh)}
     overrides = [f"mesh.{k}={v}" for k, v in mesh.items()] + list(args.overrides)
     run = load_run_config(args.config, overrides)

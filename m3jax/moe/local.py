@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import target
 from pallas_kernels.moe import megablox, mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul
 from pallas_kernels.moe.tiles import (
@@ -113,7 +114,7 @@ expand_tokens.defvjp(_expand_tokens_forward, _expand_tokens_backward)
 def grouped_matmul_impl(requested: str, dtype, dim: int, expert_dim: int) -> str:
     """`moe.grouped_matmul` made concrete: "auto" is the Mosaic GPU kernel on GPUs and megablox
     on TPUs, where they apply."""
-    kernel = {"gpu": "mosaic_gpu", "tpu": "megablox"}.get(jax.default_backend())
+    kernel = {"gpu": "mosaic_gpu", "tpu": "megablox"}.get(target.platform())
     if requested == "auto":
         requested = kernel or "xla"
         if kernel and KERNELS[kernel].unsupported_reason(dtype, dim, expert_dim):

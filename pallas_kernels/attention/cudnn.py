@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
+from pallas_kernels import target
 from pallas_kernels.attention import xla
 from pallas_kernels.attention.reference import through_whole_rows
 
@@ -147,9 +148,9 @@ def segment_runs(
 
 def unsupported_reason(q: jax.Array, k: jax.Array) -> str | None:
     """Why cuDNN's packed flash attention cannot run these operands here, or None."""
-    if jax.default_backend() != "gpu":
-        return f"needs a GPU (backend is {jax.default_backend()})"
-    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    if target.platform() != "gpu":
+        return f"needs a GPU (backend is {target.platform()})"
+    capability = getattr(target.devices()[0], "compute_capability", "0")
     if float(capability) < 9.0:
         return f"the packed layout needs compute capability >= 9.0 (found {capability})"
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+from pallas_kernels import target
 from pallas_kernels.attention.reference import through_whole_rows
 
 BLOCK = 128  # queries and keys per splash tile
@@ -63,7 +64,7 @@ def dense_attention(
         attend = functools.partial(dense_attention, causal=causal, interpret=interpret)
         return through_whole_rows(attend, q, k, v, segment_ids, query_slots)
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = target.platform() != "tpu"
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+from pallas_kernels import target
+
 BLOCK = 128  # rows and columns of one MXU tile
 
 
@@ -38,7 +40,7 @@ def grouped_matmul(
 ) -> jax.Array:
     """Same arguments and result as `reference.grouped_matmul`: [R, D] × [E, D, F] -> [R, F]."""
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = target.platform() != "tpu"
     group_sizes = group_sizes.astype(jnp.int32)
     tiling = _tiling(x_sorted.shape[0], *w.shape[1:])
     # megablox leaves rows past the groups unwritten (NaN in the interpreter), in y and in dX:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import target
 from pallas_kernels.moe.tiles import TileLayout
 from pallas_kernels.mosaic_smem import swizzled
 from pallas_kernels.shard_map import vary_like
@@ -60,7 +61,7 @@ def _num_programs(tiling: Tiling, output_tiles: int) -> int:
     The kernels' loops over output tiles split them evenly over however many programs run."""
     if not tiling.persistent:
         return output_tiles
-    device = jax.devices()[0]
+    device = target.devices()[0]
     return device.core_count if device.platform == "gpu" else 4
 
 

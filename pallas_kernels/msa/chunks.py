@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import target
 from pallas_kernels.msa.block_lists import BlockLists
 
 NEG_INF = float(jnp.finfo(jnp.float32).min)
@@ -222,7 +223,7 @@ def for_each_segment(lists, body, parts=1, grid=None):
 
 
 def launch(kernel, name, tiling, out_shape, *args, interpret, aliases=None):
-    device = jax.devices()[0]
+    device = target.devices()[0]
     cores = device.core_count if device.platform == "gpu" else 3
     return pl.pallas_call(
         kernel,

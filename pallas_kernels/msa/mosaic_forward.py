@@ -82,6 +82,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import target
 from pallas_kernels.msa import block_lists, chunks
 from pallas_kernels.msa.mosaic_chunks import (
     NOT_VISIBLE,
@@ -182,7 +183,7 @@ def unsupported_reason(
 
 def num_programs(tiling: Tiling) -> int:
     """Persistent programs: `programs_per_core` per SM (3 under the CPU interpreter)."""
-    device = jax.devices()[0]
+    device = target.devices()[0]
     cores = device.core_count if device.platform == "gpu" else 3
     return cores * tiling.programs_per_core
 

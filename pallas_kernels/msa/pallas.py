@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels import target
 from pallas_kernels.attention.reference import at_query_slots
 from pallas_kernels.msa import (
     backward_kernel,
@@ -214,7 +215,7 @@ def unsupported_reason(
 
 
 def _interpret(interpret: bool | None) -> bool:
-    return jax.devices()[0].platform != "gpu" if interpret is None else interpret
+    return target.platform() != "gpu" if interpret is None else interpret
 
 
 def top_blocks(

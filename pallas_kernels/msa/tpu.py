@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import target
 from pallas_kernels.attention.reference import at_query_slots
 from pallas_kernels.msa import tpu_kernels, tpu_selection
 from pallas_kernels.msa.reference import SAVED_BY_REMAT, Student
@@ -82,7 +83,7 @@ def _interpret(interpret):
     unless on a TPU; anything else goes to `pallas_call` as it is (True: Pallas' generic
     interpreter, compiled into one XLA loop: far faster, and what most tests use)."""
     if interpret is None:
-        return pltpu.InterpretParams() if jax.default_backend() != "tpu" else False
+        return pltpu.InterpretParams() if target.platform() != "tpu" else False
     return interpret
 
 

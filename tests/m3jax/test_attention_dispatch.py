@@ -14,12 +14,17 @@ from m3jax import attention_ops
 from m3jax.attention import ForwardMode
 from m3jax.config import MSAConfig
 from m3jax.model import functional
+from pallas_kernels import target
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
 from pallas_kernels.msa import tpu as msa_tpu
 from pallas_kernels.msa import xla as msa_xla
 from jaxpr_values import kernel_calls
 from tiny import tiny_run
+
+# stand-ins for the devices kernels are chosen for (pallas_kernels/target.py)
+A_HOPPER = mock.Mock(platform="gpu", compute_capability="9.0", core_count=132)
+A_TPU = mock.Mock(platform="tpu")
 
 MSA = MSAConfig(index_heads=2, index_head_dim=32, block_size=32, topk_blocks=2)
 
@@ -37,7 +42,7 @@ def operands(dtype=jnp.bfloat16, seq=100):
 def test_auto_takes_the_kernels_on_a_gpu_where_they_apply():
     q, k, _, index_q, _ = operands()
     assert attention_ops.msa_backend("auto", MSA, q, k, index_q) is msa_xla  # a CPU machine
-    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "gpu"), \
+    with target.ahead_of_time([A_HOPPER]), \
             mock.patch.object(msa_pallas, "_interpret", lambda interpret: False):  # fmt: skip
         assert attention_ops.msa_backend("auto", MSA, q, k, index_q) is msa_pallas
         f32 = q.astype(jnp.float32)  # the compiled kernels take bf16/f16 only
@@ -52,7 +57,7 @@ def test_auto_takes_the_tpu_kernels_on_a_tpu_where_they_apply():
     wide = MSAConfig(index_heads=2, index_head_dim=128, block_size=128, topk_blocks=2)
     q, k, _, index_q, _ = operands()
     q, k, index_q = (jnp.pad(x, [(0, 0)] * 3 + [(0, 96)]) for x in (q, k, index_q))  # Dh 128
-    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "tpu"):
+    with target.ahead_of_time([A_TPU]):
         assert attention_ops.msa_backend("auto", wide, q, k, index_q) is msa_tpu
         assert attention_ops.msa_backend("pallas", wide, q, k, index_q) is msa_tpu
         narrow = operands()  # head_dim 32: not lane-dense
@@ -71,7 +76,7 @@ def test_msa_layer_on_a_tpu_selects_with_the_tpu_kernel():
     )  # head dims 128
     segments, positions = jnp.ones((1, 100), jnp.int32), jnp.arange(100)[None]
     kernel = mock.Mock(wraps=msa_tpu.tpu_selection.top_blocks)
-    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "tpu"), \
+    with target.ahead_of_time([A_TPU]), \
             mock.patch.object(msa_tpu, "_interpret", lambda interpret: True), \
             mock.patch.object(msa_tpu.tpu_selection, "top_blocks", kernel):  # fmt: skip
         backend = attention_ops.msa_backend("auto", wide, q, k, index_q)

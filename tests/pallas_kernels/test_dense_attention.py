@@ -14,8 +14,13 @@ import pytest
 from jaxpr_values import value_sizes
 
 from m3jax import attention_ops
+from pallas_kernels import target
 from pallas_kernels.attention import cudnn, splash, xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
+
+# stand-ins for the devices kernels are chosen for (pallas_kernels/target.py)
+A_HOPPER = mock.Mock(platform="gpu", compute_capability="9.0", core_count=132)
+A_TPU = mock.Mock(platform="tpu")
 
 
 def packed_segments(rng, batch: int, seq: int, max_documents: int) -> np.ndarray:
@@ -132,9 +137,8 @@ def test_dense_picks_cudnn_on_a_hopper_gpu_and_says_why_not_elsewhere():
     q, k, _ = operands(32)
     bf16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
     assert "needs a GPU" in cudnn.unsupported_reason(*bf16)  # this CPU machine
-    hopper = mock.Mock(compute_capability="9.0")
-    with mock.patch.object(cudnn.jax, "default_backend", lambda: "gpu"), \
-            mock.patch.object(cudnn.jax, "devices", lambda: [hopper]):  # fmt: skip
+    hopper = mock.Mock(platform="gpu", compute_capability="9.0")
+    with target.ahead_of_time([hopper]):
         assert cudnn.unsupported_reason(*bf16) is None
         assert "bfloat16 or float16" in cudnn.unsupported_reason(q, k)
         wide = jnp.zeros((1, 8, 2, 320), jnp.bfloat16)
@@ -192,7 +196,7 @@ def test_dense_picks_splash_on_a_tpu_and_says_why_not():
     q, k, v = operands(64, head_dim=128)
     segments = jnp.ones((3, 64), jnp.int32)
     sentinel = jnp.zeros(q.shape)
-    with mock.patch.object(attention_ops.jax, "default_backend", lambda: "tpu"), \
+    with target.ahead_of_time([A_TPU]), \
             mock.patch.object(splash, "dense_attention", lambda *a, **c: sentinel):  # fmt: skip
         assert attention_ops.dense("auto", q, k, v, segments) is sentinel
         narrow = operands(64)  # head_dim 16
@@ -227,7 +231,7 @@ def test_whole_row_kernels_take_query_slots_through_a_row_of_zeros(kernel):
 
     expected = values_and_grads(functools.partial(attention_ops.dense, "xla"))
     if kernel == "cudnn":
-        with mock.patch.object(attention_ops.jax, "default_backend", lambda: "gpu"), \
+        with target.ahead_of_time([A_HOPPER]), \
                 mock.patch.object(cudnn, "unsupported_reason", lambda q, k: None), \
                 mock.patch.object(cudnn, "packed_attention", packed_stand_in), \
                 mock.patch.object(cudnn, "fallback", lambda *_: cudnn.tiled_attention):  # fmt: skip

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from m3jax.moe import local
+from pallas_kernels import target
 from pallas_kernels.moe import megablox, reference
+
+# stand-ins for the devices kernels are chosen for (pallas_kernels/target.py)
+A_TPU = mock.Mock(platform="tpu")
 
 
 def test_megablox_matches_reference_values_and_gradients():
@@ -34,7 +38,7 @@ def test_megablox_matches_reference_values_and_gradients():
 def test_auto_takes_megablox_on_a_tpu_where_it_applies():
     impl = local.grouped_matmul_impl
     assert impl("auto", jnp.bfloat16, 256, 128) == "xla"  # this CPU machine
-    with mock.patch.object(local.jax, "default_backend", lambda: "tpu"):
+    with target.ahead_of_time([A_TPU]):
         assert impl("auto", jnp.bfloat16, 256, 128) == "megablox"
         assert impl("auto", jnp.bfloat16, 200, 128) == "xla"
         with pytest.raises(ValueError, match="in_width=200"):

@@ -45,6 +45,23 @@ def test_collective_bytes_count_each_trip_of_a_loop():
     assert hlo_collectives.collective_bytes(hlo)["all-gather"] == 5 * 8 * 8 * 4
 
 
+def test_collective_bytes_count_xla_gpus_async_pairs_once():
+    """XLA:GPU prints collectives as start/done pairs: the done's result counts (the operand for
+    a reduce-scatter), once, and a pair over a size-1 axis not at all."""
+    groups = "replica_groups=mesh['expert'=2,'seq'=1] {'expert'}"
+    over_seq = "replica_groups=mesh['expert'=2,'seq'=1] {'seq'}"
+    hlo = f"""ENTRY %main (p: bf16[4,8]) -> bf16[4,8] {{
+  %p = bf16[4,8]{{1,0}} parameter(0)
+  %a2a-start = ((bf16[4,8]{{1,0}}), bf16[4,8]{{1,0}}) all-to-all-start(%p), {groups}
+  %a2a-done = bf16[4,8]{{1,0}} all-to-all-done(%a2a-start)
+  %rs-start = ((bf16[4,8]{{1,0}}), bf16[2,8]{{1,0}}) reduce-scatter-start(%a2a-done), {groups}
+  %rs-done = bf16[2,8]{{1,0}} reduce-scatter-done(%rs-start)
+  %ag-start = (bf16[2,8]{{1,0}}, bf16[2,8]{{1,0}}) all-gather-start(%rs-done), {over_seq}
+  ROOT %ag-done = bf16[2,8]{{1,0}} all-gather-done(%ag-start)
+}}"""  # fmt: skip
+    assert hlo_collectives.collective_bytes(hlo) == {"all-to-all": 64, "reduce-scatter": 64}
+
+
 @pytest.mark.slow
 def test_plan_bytes_per_device_shrink_as_fsdp_grows():
     """4 devices: pure data parallel, then fsdp=4. Params and optimizer state are split 4 ways
@@ -81,3 +98,35 @@ def test_m3_plan_command_plans_8_fake_devices_growing_by_layers(tmp_path):
     assert planned["batch_size"] == 8  # one row per data-parallel device
     assert planned["params"] > 0 and planned["temporaries"] > 0
     assert planned["collectives"]["all-to-all"] > 0  # the expert-parallel exchange
+
+
+@pytest.mark.slow
+def test_m3_plan_compiles_for_two_h200s_with_the_gpu_kernels(tmp_path):
+    """XLA:GPU ahead of time (`--target h200`, no GPU here): an expert-parallel step with MSA and
+    MoE layers of shapes the GPU kernels take compiles with them (Mosaic GPU: MoE and the MSA
+    forward and backward; Triton: the selection; cuDNN: the dense layer), the dropless exchange
+    is an all-to-all, and no CPU stand-in is planned."""
+    config = tmp_path / "gpu.yaml"
+    model = {"vocab_size": 512, "hidden_size": 256, "num_layers": 3, "num_heads": 8,
+             "num_kv_heads": 1, "head_dim": 128, "rotary_dim": 64, "dense_mlp_dim": 512,
+             "dtype": "bfloat16", "layer_types": ["full", "msa*2"],
+             "mlp_layer_types": ["dense", "moe*2"],
+             "msa": {"index_heads": 1, "index_head_dim": 128, "block_size": 128,
+                     "topk_blocks": 2},
+             "moe": {**TINY["model"]["moe"], "num_experts": 8, "expert_dim": 256}}  # fmt: skip
+    config.write_text(yaml.safe_dump({**TINY, "model": model}))
+    result = subprocess.run(
+        [sys.executable, "-m", "pretrain.plan", "--config", str(config), "--devices", "2",
+         "--mesh", "expert=2", "--seq-len", "1024", "--target", "h200"],
+        cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    planned = json.loads(result.stdout.strip().splitlines()[-1])
+    assert planned["target"] == "NVIDIA H200" and planned["mesh"]["expert"] == 2
+    assert planned["notes"] == []  # dropless MoE and the kernels as compiled, no stand-in
+    kernels = planned["kernels"]
+    assert kernels.get("mosaic_gpu_v2", 0) >= 4, kernels
+    assert kernels.get("__gpu$xla.gpu.triton", 0) >= 1, kernels
+    assert any(name.startswith("__cudnn$fmha") for name in kernels), kernels
+    assert planned["collectives"]["all-to-all"] > 0
+    assert 0 < planned["temporaries"] < 10e9
