@@ -167,6 +167,7 @@ class Functional:
     graphdef: Any
     param_axes: dict  # same structure as params; leaves are tuples of logical axis names
     buffer_axes: dict
+    mesh: Mesh | None = None  # the devices `apply` runs on (`functional`'s), None: one device
 
     def init(self, seed: int) -> tuple[dict, dict]:
         """Fresh (params, buffers). Jit it with out_shardings to create them already sharded."""
@@ -264,7 +265,7 @@ def functional(config: ModelConfig, mesh: Mesh | None = None) -> Functional:
     """
     model = nnx.eval_shape(lambda: M3Model(config, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, param_state, buffer_state = nnx.split(model, nnx.Param, params.Buffer)
-    return Functional(config, graphdef, _axes(param_state), _axes(buffer_state))
+    return Functional(config, graphdef, _axes(param_state), _axes(buffer_state), mesh)
 
 
 def _axes(state: nnx.State) -> dict:

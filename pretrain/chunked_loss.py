@@ -26,10 +26,16 @@ bf16 numerics: bf16 products with fp32 accumulation, d(logits) rounded to bf16 b
 products (fp32 d(logits) made both products fp32 GEMMs: 192 of 1,177 ms of a bench-h200 step,
 RESULTS.md); d(lm_head) accumulates in fp32. In float32 the gradients are the plain path's.
 
-Data parallelism: each chunk's d(lm_head) is a partial sum over a device's tokens. On CPU (4 fake
-devices) XLA keeps its all-reduce inside the loop, one [D, V] reduction per chunk instead of one
-(`benchmarks/bench_chunked_loss.py --collectives` counts them); XLA's GPU pipeline runs
-WhileLoopAllReduceCodeMotion, which exists to hoist such reductions (not yet measured on GPUs).
+Data parallelism: each chunk's d(lm_head) is a partial sum over a device's tokens. Where the
+lm_head is split over the data-parallel axes (its `embed` dim over fsdp and expert), left to
+itself XLA:GPU all-gathers the weight and reduce-scatters d(lm_head) in every chunk: at bench-h200
+on `expert=2` (16 chunks), 26.2 GB of all-gathers and 52.5 GB of reduce-scatters a step where
+the lm_head is 0.82 GB (`m3-plan --target h200`, benchmarks/RESULTS.md). Given `gathered` (the
+lm_head's layout with only its tensor-parallel split: `lm_head_gathered`), the weight is
+gathered once before the chunks and d(lm_head) accumulates in that layout, a sum XLA:GPU reduces
+once after the loop (WhileLoopAllReduceCodeMotion hoists the all-reduce out of it); the
+gradient then goes back to the lm_head's own layout locally. On CPU XLA keeps that all-reduce
+inside the loop (`benchmarks/bench_chunked_loss.py --collectives` counts them).
 
 Chunk j holds positions j, j + n, j + 2n, ... of every row (n chunks): each chunk keeps the batch
 and sequence axes, so their sharding over the data-parallel and seq mesh axes carries over to every
@@ -45,11 +51,14 @@ Shapes: B batch, S sequence, D model width, V vocab, N tokens; `chunks` of `per_
 row.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
+from m3jax import sharding
 from pretrain import loss
 
 
@@ -69,6 +78,7 @@ def chunked_lm_loss(
     lse_square_weights: jax.Array | None = None,
     *,
     chunk_tokens: int,
+    gathered: NamedSharding | None = None,
 ) -> LMLoss:
     """The weighted cross-entropy (+ z-loss) of the logits hidden @ lm_head, and its per-position
     terms.
@@ -76,7 +86,8 @@ def chunked_lm_loss(
     hidden: [B, S, D] final-normed hidden states (the model's dtype); lm_head: [D, V] (any float
     dtype; cast to hidden's, as M3Model.head does); targets: [B, S] int in [0, V);
     nll_weights, lse_square_weights: [B, S] (None: no z-loss). chunk_tokens: the most tokens
-    whose logits exist at once (at least one per row: B).
+    whose logits exist at once (at least one per row: B). gathered: the layout the lm_head and
+    its gradient take over the chunks (`lm_head_gathered`; None: XLA's choice, one device).
     """
     if chunk_tokens < 1:
         raise ValueError(f"{chunk_tokens=} must be >= 1")
@@ -97,10 +108,25 @@ def chunked_lm_loss(
 
     weights = [chunked(w.astype(jnp.float32)) for w in (nll_weights, lse_square_weights)]
     loss, nll, log_normalizer = _chunk_losses(
-        chunked(hidden), lm_head, chunked(targets), *weights
+        gathered, chunked(hidden), lm_head, chunked(targets), *weights
     )
     values = [jax.lax.stop_gradient(unchunked(x)) for x in (nll, log_normalizer)]
     return LMLoss(loss, *values)
+
+
+def lm_head_gathered(lm_head_shape: tuple[int, int], mesh: Mesh | None) -> NamedSharding | None:
+    """The lm_head's layout without its data-parallel split (vocab over `tensor` only), for
+    `chunked_lm_loss(gathered=...)`; None where nothing splits it that way."""
+    if mesh is None:
+        return None
+    own = sharding.partition_spec(("embed", "vocab"), lm_head_shape, mesh)
+    if own[0] is None:
+        return None
+    return NamedSharding(mesh, sharding.partition_spec((None, "vocab"), lm_head_shape, mesh))
+
+
+def _in_layout(x: jax.Array, layout: NamedSharding | None) -> jax.Array:
+    return x if layout is None else jax.lax.with_sharding_constraint(x, layout)
 
 
 def _logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
@@ -112,19 +138,19 @@ def _weighted(nll, log_normalizer, nll_weights, lse_square_weights) -> jax.Array
     return (nll_weights * nll).sum() + (lse_square_weights * jnp.square(log_normalizer)).sum()
 
 
-@jax.custom_vjp
-def _chunk_losses(hidden, lm_head, targets, nll_weights, lse_square_weights):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunk_losses(gathered, hidden, lm_head, targets, nll_weights, lse_square_weights):
     """hidden [chunks, B, per_row, D], lm_head [D, V], targets and weights [chunks, B, per_row]
     -> (loss, nll, logsumexp [chunks, B, per_row]); the values alone."""
-    weight = lm_head.astype(hidden.dtype)
+    weight = _in_layout(lm_head.astype(hidden.dtype), gathered)
     nll, log_normalizer = jax.lax.map(lambda c: _token_losses(_logits(c[0], weight), c[1]),
                                       (hidden, targets))  # fmt: skip
     return _weighted(nll, log_normalizer, nll_weights, lse_square_weights), nll, log_normalizer
 
 
-def _chunk_losses_forward(hidden, lm_head, targets, nll_weights, lse_square_weights):
+def _chunk_losses_forward(gathered, hidden, lm_head, targets, nll_weights, lse_square_weights):
     """The values and, from the same logits, the loss's gradients w.r.t. hidden and lm_head."""
-    weight = lm_head.astype(hidden.dtype)
+    weight = _in_layout(lm_head.astype(hidden.dtype), gathered)
     vocab = lm_head.shape[1]
 
     def one_chunk(d_weight, chunk):
@@ -142,18 +168,20 @@ def _chunk_losses_forward(hidden, lm_head, targets, nll_weights, lse_square_weig
         d_weight = d_weight + _dot(h, d_logits, ((0, 1), (0, 1)))  # [D, V]
         return d_weight, (nll, log_normalizer, d_h)
 
-    d_weight = jnp.zeros(lm_head.shape, jnp.float32)
+    d_weight = _in_layout(jnp.zeros(lm_head.shape, jnp.float32), gathered)
     d_weight, (nll, log_normalizer, d_hidden) = jax.lax.scan(
         one_chunk, d_weight, (hidden, targets, nll_weights, lse_square_weights)
     )
     loss = _weighted(nll, log_normalizer, nll_weights, lse_square_weights)
+    d_weight = _in_layout(d_weight, gathered)  # the loop's sum in one layout: reduced after it
     residuals = (d_hidden, d_weight.astype(lm_head.dtype), nll, log_normalizer)
     return (loss, nll, log_normalizer), residuals
 
 
-def _chunk_losses_backward(residuals, cotangents):
+def _chunk_losses_backward(gathered, residuals, cotangents):
     """The forward's gradients times the loss's cotangent. The per-position values' cotangents
     are zero: `chunked_lm_loss` stops their gradient."""
+    del gathered  # d(lm_head) goes back to the lm_head's layout wherever XLA places it
     d_hidden, d_weight, nll, log_normalizer = residuals
     g = cotangents[0]
 

@@ -29,7 +29,7 @@ from m3jax.model import Functional
 from m3jax.mtp import MTPOutput
 from m3jax.vision_inputs import from_packed_rows
 from pretrain.accumulation import accumulated
-from pretrain.chunked_loss import chunked_lm_loss
+from pretrain.chunked_loss import chunked_lm_loss, lm_head_gathered
 from pretrain.config import RunConfig
 from pretrain.faults import keep_finite
 from pretrain.loss import (
@@ -82,9 +82,12 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
             params, buffers, batch.tokens, batch.positions, batch.segment_ids, vision, mode=mode
         )
 
+        gathered = lm_head_gathered(params["lm_head"].shape, model.mesh)
+
         def lm_loss(hidden, targets, *weights):  # the weighted LM loss of the lm_head's logits
             return chunked_lm_loss(hidden, params["lm_head"], targets, *weights,
-                                   chunk_tokens=run.train.loss_chunk_tokens)  # fmt: skip
+                                   chunk_tokens=run.train.loss_chunk_tokens,
+                                   gathered=gathered)  # fmt: skip
 
         weights = lm_weights(run, batch.loss_mask, totals["loss_mask"])
         lm = lm_loss(normed, batch.targets, *weights)

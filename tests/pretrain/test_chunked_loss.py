@@ -1,11 +1,18 @@
 """The chunked cross-entropy against plain logits: values, gradients of the weighted loss, memory."""
 
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import REPO
+from jax.sharding import NamedSharding, PartitionSpec
 
-from pretrain.chunked_loss import chunked_lm_loss
+from m3jax import sharding
+from pretrain.chunked_loss import chunked_lm_loss, lm_head_gathered
 from pretrain.loss import token_losses
 
 M3_VOCAB = 200_064
@@ -153,3 +160,76 @@ def test_one_pass_logsumexp_matches_jax_over_scales_and_masked_entries():
     for axis in (-1, 1):
         np.testing.assert_allclose(_logsumexp(logits, axis), jax.nn.logsumexp(logits, axis),
                                    rtol=1e-6)  # fmt: skip
+
+
+def test_lm_head_split_over_fsdp_gathered_for_the_chunks_gives_the_same_loss_and_gradients():
+    """4 devices, the lm_head's embed dim over fsdp (as m3-train lays it out), 8 chunks, the
+    weight and its gradient's sum in the gathered layout: values and gradients are one
+    device's."""
+    mesh = sharding.make_mesh({"fsdp": 4})
+    hidden, lm_head, targets, weights = random_inputs(4, 64, 16, 40)
+    expected = values_and_gradients(plain_lm_loss, hidden, lm_head, targets, weights)
+    layout = lm_head_gathered(lm_head.shape, mesh)
+    assert layout is not None and layout.spec == PartitionSpec(None, None)
+    assert lm_head_gathered(lm_head.shape, sharding.make_mesh({"data": 4})) is None
+
+    def losses(*args):
+        return tuple(chunked_lm_loss(*args, chunk_tokens=32, gathered=layout))
+
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    hidden, targets, *weights = (jax.device_put(x, rows) for x in (hidden, targets, *weights))
+    lm_head = jax.device_put(lm_head, NamedSharding(mesh, PartitionSpec("fsdp", None)))
+    got = values_and_gradients(losses, hidden, lm_head, targets, weights)
+    for a, e in zip(got[0] + got[1], expected[0] + expected[1]):
+        assert_close(a, e, rtol=2e-5)
+
+
+# Compiled for 4 H200s by XLA:GPU ahead of time (pretrain/gpu_target.py): the collectives of the
+# chunked loss's gradient with the lm_head split over fsdp, as JSON
+ON_FOUR_H200S = """
+import json, sys
+from pretrain import gpu_target
+gpu_target.start_without_gpu()
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+from m3jax import sharding
+from pretrain import hlo_collectives
+from pretrain.chunked_loss import chunked_lm_loss, lm_head_gathered
+with gpu_target.compiling_for(gpu_target.h200_devices(4)):
+    mesh = sharding.make_mesh({"fsdp": 4})
+    layout = lm_head_gathered((256, 4096), mesh) if sys.argv[1] == "gathered" else None
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    split = NamedSharding(mesh, PartitionSpec("fsdp", None))
+    hidden = jax.ShapeDtypeStruct((4, 1024, 256), jnp.bfloat16, sharding=rows)
+    targets = jax.ShapeDtypeStruct((4, 1024), jnp.int32, sharding=rows)
+    weights = jax.ShapeDtypeStruct((4, 1024), jnp.float32, sharding=rows)
+    lm_head = jax.ShapeDtypeStruct((256, 4096), jnp.float32, sharding=split)
+
+    def loss(h, w, t, n):
+        return chunked_lm_loss(h, w, t, n, chunk_tokens=512, gathered=layout).loss
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)), out_shardings=(rows, split))
+    hlo = step.lower(hidden, lm_head, targets, weights).compile().as_text()
+    print(json.dumps(hlo_collectives.collective_bytes(hlo)))
+"""
+
+
+@pytest.mark.slow
+def test_on_h200s_the_lm_head_is_gathered_and_its_gradient_reduced_once_not_per_chunk():
+    """XLA:GPU (4 H200s, `--target h200`'s compiler) left to itself all-gathers the lm_head
+    and reduce-scatters its gradient in each of the 8 chunks; in the gathered layout, once."""
+
+    def collectives(variant: str) -> dict:
+        command = [sys.executable, "-c", ON_FOUR_H200S, variant]
+        result = subprocess.run(
+            command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    weight, gradient = 256 * 4096 * 2, 256 * 4096 * 4  # bf16 in the products, f32 sums
+    per_chunk, once = collectives("per-chunk"), collectives("gathered")
+    assert per_chunk["all-gather"] >= 8 * weight
+    assert per_chunk["reduce-scatter"] + per_chunk.get("all-reduce", 0) >= 8 * gradient
+    assert once["all-gather"] <= weight
+    assert once.get("reduce-scatter", 0) + once.get("all-reduce", 0) <= gradient
