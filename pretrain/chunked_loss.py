@@ -56,7 +56,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from m3jax import sharding
 from pretrain import loss
@@ -114,15 +114,25 @@ def chunked_lm_loss(
     return LMLoss(loss, *values)
 
 
-def lm_head_gathered(lm_head_shape: tuple[int, int], mesh: Mesh | None) -> NamedSharding | None:
-    """The lm_head's layout without its data-parallel split (vocab over `tensor` only), for
-    `chunked_lm_loss(gathered=...)`; None where nothing splits it that way."""
+def lm_head_gathered(
+    axes: tuple[str, ...], shape: tuple[int, int], mesh: Mesh | None
+) -> NamedSharding | None:
+    """The lm_head's layout (its logical `axes`, sharding.RULES) without the data-parallel mesh
+    axes (vocab over `tensor` only), for `chunked_lm_loss(gathered=...)`; None where none of
+    them splits it."""
     if mesh is None:
         return None
-    own = sharding.partition_spec(("embed", "vocab"), lm_head_shape, mesh)
-    if own[0] is None:
-        return None
-    return NamedSharding(mesh, sharding.partition_spec((None, "vocab"), lm_head_shape, mesh))
+    data_parallel = dict(sharding.RULES)["batch"]
+    own = sharding.partition_spec(axes, shape, mesh)
+    kept = [_without(entry, data_parallel) for entry in own]
+    return None if kept == list(own) else NamedSharding(mesh, PartitionSpec(*kept))
+
+
+def _without(entry: str | tuple | None, mesh_axes: tuple[str, ...]) -> str | tuple | None:
+    """A PartitionSpec entry less `mesh_axes`."""
+    names = entry if isinstance(entry, tuple) else (entry,)
+    left = tuple(a for a in names if a is not None and a not in mesh_axes)
+    return left[0] if len(left) == 1 else (left or None)
 
 
 def _in_layout(x: jax.Array, layout: NamedSharding | None) -> jax.Array:

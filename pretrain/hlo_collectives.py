@@ -88,19 +88,20 @@ def _parse(hlo_text: str):
         name, result, op, rest = instruction.groups()
         sizes[name] = _array_bytes(result)
         operands = _NAME.findall(rest.split(")", 1)[0])
+        operand_bytes = sum(sizes.get(operand, 0) for operand in operands)
         if op.endswith("-start") and op.removesuffix("-start") in COLLECTIVES:
             # XLA:GPU's async pair: the start holds the groups and operands, the done the result
-            started[name] = None if _group_size(line) == 1 else sum(map(sizes.get, operands))
+            started[name] = None if _group_size(line) == 1 else operand_bytes
             continue
         if op.endswith("-done") and op.removesuffix("-done") in COLLECTIVES:
-            op, operand_bytes = op.removesuffix("-done"), started.get(operands[0])
-            if operand_bytes is None:
+            op, start_operand_bytes = op.removesuffix("-done"), started.get(operands[0])
+            if start_operand_bytes is None:
                 continue
-            size = operand_bytes if op in _OPERAND_SIDE else sizes[name]
+            size = start_operand_bytes if op in _OPERAND_SIDE else sizes[name]
         elif op in COLLECTIVES and _group_size(line) == 1:
             continue  # over size-1 mesh axes only: moves nothing
         elif op in _OPERAND_SIDE:  # operands are named, their types are where they are defined
-            size = sum(sizes.get(operand, 0) for operand in operands)
+            size = operand_bytes
         else:
             size = sizes[name]
         trips = _TRIP_COUNT.search(line)

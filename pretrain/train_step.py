@@ -82,7 +82,8 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
             params, buffers, batch.tokens, batch.positions, batch.segment_ids, vision, mode=mode
         )
 
-        gathered = lm_head_gathered(params["lm_head"].shape, model.mesh)
+        gathered = lm_head_gathered(model.param_axes["lm_head"], params["lm_head"].shape,
+                                    model.mesh)  # fmt: skip
 
         def lm_loss(hidden, targets, *weights):  # the weighted LM loss of the lm_head's logits
             return chunked_lm_loss(hidden, params["lm_head"], targets, *weights,

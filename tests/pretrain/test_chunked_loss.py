@@ -16,6 +16,7 @@ from pretrain.chunked_loss import chunked_lm_loss, lm_head_gathered
 from pretrain.loss import token_losses
 
 M3_VOCAB = 200_064
+LM_HEAD_AXES = ("embed", "vocab")  # as M3Model declares them
 
 
 def plain_token_losses(hidden, lm_head, targets):
@@ -169,9 +170,9 @@ def test_lm_head_split_over_fsdp_gathered_for_the_chunks_gives_the_same_loss_and
     mesh = sharding.make_mesh({"fsdp": 4})
     hidden, lm_head, targets, weights = random_inputs(4, 64, 16, 40)
     expected = values_and_gradients(plain_lm_loss, hidden, lm_head, targets, weights)
-    layout = lm_head_gathered(lm_head.shape, mesh)
+    layout = lm_head_gathered(LM_HEAD_AXES, lm_head.shape, mesh)
     assert layout is not None and layout.spec == PartitionSpec(None, None)
-    assert lm_head_gathered(lm_head.shape, sharding.make_mesh({"data": 4})) is None
+    assert lm_head_gathered(LM_HEAD_AXES, lm_head.shape, sharding.make_mesh({"data": 4})) is None
 
     def losses(*args):
         return tuple(chunked_lm_loss(*args, chunk_tokens=32, gathered=layout))
@@ -197,7 +198,8 @@ from pretrain import hlo_collectives
 from pretrain.chunked_loss import chunked_lm_loss, lm_head_gathered
 with gpu_target.compiling_for(gpu_target.h200_devices(4)):
     mesh = sharding.make_mesh({"fsdp": 4})
-    layout = lm_head_gathered((256, 4096), mesh) if sys.argv[1] == "gathered" else None
+    axes = ("embed", "vocab")
+    layout = lm_head_gathered(axes, (256, 4096), mesh) if sys.argv[1] == "gathered" else None
     rows = NamedSharding(mesh, PartitionSpec("fsdp"))
     split = NamedSharding(mesh, PartitionSpec("fsdp", None))
     hidden = jax.ShapeDtypeStruct((4, 1024, 256), jnp.bfloat16, sharding=rows)
