@@ -49,27 +49,22 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 def contributions(hlo_text: str) -> list[tuple[str, int, str]]:
     """(op, bytes per run, "shape  jax op name") of every collective, loop trips included."""
     computations, entry = _parse(hlo_text)
+    return _walk(computations, entry, 1)
+
+
+def _walk(computations: dict, name: str, trips: int) -> list[tuple[str, int, str]]:
+    """The collectives of `trips` runs of computation `name`, and of what it calls (of a
+    conditional, the branch moving the fewest bytes, its own loops' trips included)."""
     found = []
-
-    def walk(name: str, trips: int) -> None:
-        for op, size, label, called, branches, inner_trips in computations.get(name, ()):
-            if op in COLLECTIVES:
-                found.append((op, size * trips, label))
-            for callee in called:
-                walk(callee, trips * inner_trips)
-            if branches:
-                walk(min(branches, key=lambda b: _branch_bytes(computations, b)), trips)
-
-    walk(entry, 1)
+    for op, size, label, called, branches, inner_trips in computations.get(name, ()):
+        if op in COLLECTIVES:
+            found.append((op, size * trips, label))
+        for callee in called:
+            found += _walk(computations, callee, trips * inner_trips)
+        if branches:
+            taken = (_walk(computations, branch, trips) for branch in branches)
+            found += min(taken, key=lambda items: sum(size for _, size, _ in items))
     return found
-
-
-def _branch_bytes(computations: dict, name: str) -> int:
-    return sum(
-        size * trips
-        for op, size, _, called, _, trips in computations.get(name, ())
-        if op in COLLECTIVES
-    ) + sum(_branch_bytes(computations, c) for item in computations.get(name, ()) for c in item[3])
 
 
 def _parse(hlo_text: str):

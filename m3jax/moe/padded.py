@@ -8,10 +8,14 @@ and sends one row per token back, where the partial sums of the Ep devices add u
 `jax.lax.all_to_all` moves fixed blocks of `padded_blocks(...)` tokens per device pair,
 zero-padded; the local experts take a fixed number of rows. In a step where some block or some
 device's rows would overflow, every device takes the branch sized for the worst case instead (a
-`lax.cond` on a global max), so no row is ever dropped. The branch holds everything done on the
-device, `Beside` work (expert_parallel.py) included. With k = 4 of E = 32 experts on Ep = 2
-devices a token has 2 rows for each device on average but is sent once (0.47 of the rows'
-traffic); the price is one more rounding of the partial sums to the activations' dtype than on
+`lax.cond` on a global max), so no row is ever dropped. That branch sends the device's tokens in
+pieces, one round trip after another, each sized for its own worst case and no larger than the
+usual blocks: XLA allocates the untaken branch's buffers too, and one round trip sized for every
+token to reach every peer with min(k, E/Ep) rows would hold Ep · min(k, E/Ep) / (factor · k)
+times the usual rows (M3 on 8 expert devices at 32K tokens a device: 12.9 GB arrays, 180 GB a
+device planned). Either branch holds everything done on the device, `Beside` work
+(expert_parallel.py) included. With k = 4 of E = 32 experts on Ep = 2 devices a token has 2 rows
+for each device on average but is sent once (0.47 of the rows' traffic); the price is one more rounding of the partial sums to the activations' dtype than on
 one device (measured: benchmarks/RESULTS.md).
 
 Shapes: N tokens on a device, k experts per token, D model width, E experts (all), Ep
@@ -35,6 +39,7 @@ class Blocks(NamedTuple):
 
     tokens: int  # the most tokens a device sends one peer (all_to_all block rows)
     rows: int  # the most (token, expert) rows a device's experts receive in all
+    pieces: int = 1  # round trips, one after another, each for a slice of the device's tokens
 
 
 def padded_blocks(
@@ -45,14 +50,17 @@ def padded_blocks(
     Usual: `factor` times what a device pair and a device need under balanced routing, a token
     reaching a given peer unless all its k distinct choices miss that peer's E/Ep experts
     (probability Π_{i<k} (E - E/Ep - i) / (E - i)), and a device receiving N·k rows. Worst: every
-    token to every peer, with min(k, E/Ep) rows each.
+    token to every peer, with min(k, E/Ep) rows each, in as many pieces of ⌈N / pieces⌉ tokens as
+    keep a piece's rows about the usual rows (within one piece's rounding).
     """
     local = num_experts // parts
-    worst = Blocks(num_tokens, parts * num_tokens * min(k, local))
+    rows_per_token = parts * min(k, local)  # a device receives at most this many per token sent
     miss = math.prod((num_experts - local - i) / (num_experts - i) for i in range(k))
-    tokens = min(worst.tokens, math.ceil(factor * num_tokens * (1 - miss)))
+    tokens = min(num_tokens, math.ceil(factor * num_tokens * (1 - miss)))
     rows = min(parts * tokens * min(k, local), math.ceil(factor * num_tokens * k))
-    return Blocks(tokens, rows), worst
+    pieces = min(num_tokens, math.ceil(num_tokens * rows_per_token / rows))
+    piece = math.ceil(num_tokens / pieces)
+    return Blocks(tokens, rows), Blocks(piece, piece * rows_per_token, pieces)
 
 
 def exchange(
@@ -73,13 +81,9 @@ def exchange(
     num_tokens, k = chosen.shape
     parts = jax.lax.axis_size(EXPERT_AXIS)
     usual, worst = padded_blocks(num_tokens, k, local_experts * parts, parts, factor)
-    owned_by = _owned_by(chosen, local_experts)
-    fits = _blocks_fit(owned_by, usual, token_axes)
-    round_trip = functools.partial(
-        _round_trip, visits=owned_by.any(1), ffn=ffn, local_experts=local_experts
-    )
+    fits = _blocks_fit(_owned_by(chosen, local_experts), usual, token_axes)
     result = _branches(
-        lambda blocks: on_device(functools.partial(round_trip, blocks=blocks)), usual, worst, fits
+        lambda blocks: on_device(_routed(blocks, ffn, local_experts)), usual, worst, fits
     )
     return result, 1.0 - fits.astype(jnp.float32)
 
@@ -102,8 +106,39 @@ def _branches(padded, usual: Blocks, worst: Blocks, fits: jax.Array):
     return jax.lax.cond(fits, lambda: padded(usual), jax.checkpoint(lambda: padded(worst)))
 
 
+def _routed(blocks: Blocks, ffn: ExpertFFN, local_experts: int):
+    """The routed experts' function of `exchange`'s `on_device`: `_round_trip` over the device's
+    N tokens in `blocks.pieces` slices of `blocks.tokens`, one after another (a scan; the last
+    slice padded with tokens choosing no expert, which visit no device). Each slice is
+    rematerialised, so that the backward keeps only the slices' inputs, not all pieces'
+    activations at once."""
+    round_trip = functools.partial(_round_trip, ffn=ffn, local_experts=local_experts, blocks=blocks)
+    if blocks.pieces == 1:
+        return round_trip
+
+    def run(x: jax.Array, chosen: jax.Array, weights: jax.Array):
+        num_tokens = x.shape[0]
+
+        def sliced(a: jax.Array, fill) -> jax.Array:
+            padding = [(0, blocks.pieces * blocks.tokens - num_tokens)] + [(0, 0)] * (a.ndim - 1)
+            a = jnp.pad(a, padding, constant_values=fill)
+            return a.reshape(blocks.pieces, blocks.tokens, *a.shape[1:])
+
+        def piece(dropped, inputs):
+            out, piece_dropped = jax.checkpoint(round_trip)(*inputs)
+            return dropped + piece_dropped, out
+
+        dropped, out = jax.lax.scan(
+            piece, jnp.zeros((), jnp.int32), (sliced(x, 0), sliced(chosen, -1), sliced(weights, 0))
+        )
+        return out.reshape(-1, x.shape[1])[:num_tokens], dropped
+
+    return run
+
+
 def _owned_by(chosen: jax.Array, local_experts: int) -> jax.Array:
-    """[N, k] expert ids -> [N, k, Ep] bool: whether choice j of token t is on device p."""
+    """[N, k] expert ids -> [N, k, Ep] bool: whether choice j of token t is on device p (none
+    for ids < 0)."""
     owner = chosen // local_experts
     return owner[:, :, None] == jnp.arange(jax.lax.axis_size(EXPERT_AXIS), dtype=owner.dtype)
 
@@ -123,14 +158,12 @@ def _round_trip(
     chosen: jax.Array,
     weights: jax.Array,
     *,
-    visits: jax.Array,
     ffn: ExpertFFN,
     local_experts: int,
     blocks: Blocks,
 ) -> tuple[jax.Array, jax.Array]:
     """[N, D] tokens, [N, k] expert ids and weights -> (routed output [N, D], 0 rows dropped),
-    each token sent once to each device owning some of its experts (visits [N, Ep]: whether it
-    goes to device p; `blocks` must fit).
+    each token sent once to each device owning some of its experts (`blocks` must fit).
 
     A visit is a (token, peer) pair, numbered token · Ep + peer; it takes the next free slot of
     the [Ep, blocks.tokens] send blocks. Tokens go out and partial sums come back by one gather
@@ -139,6 +172,7 @@ def _round_trip(
     parts, me = jax.lax.axis_size(EXPERT_AXIS), jax.lax.axis_index(EXPERT_AXIS)
     num_tokens, k = chosen.shape
     num_slots = parts * blocks.tokens
+    visits = _owned_by(chosen, local_experts).any(1)  # [N, Ep]: whether it goes to device p
     slot = jnp.arange(parts, dtype=jnp.int32) * blocks.tokens + jnp.cumsum(visits, 0) - 1
     visit_slot = jnp.where(visits, slot, num_slots).astype(jnp.int32).reshape(-1)  # [N·Ep]
     slot_visit = inverse_permutation(visit_slot, num_slots)  # [Ep·blocks.tokens], N·Ep: empty

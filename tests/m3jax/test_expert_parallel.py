@@ -95,44 +95,62 @@ def busiest_exchange(experts: np.ndarray, parts: int, num_experts: int) -> tuple
 @pytest.mark.parametrize("mesh_name", [n for n in ("ep2", "ep4") if n in RUNNABLE])
 def test_padded_exchange_is_exact_whether_blocks_fit_or_not(mesh_name, monkeypatch):
     """Blocks exactly as large as the busiest device pair and device need (the usual branch,
-    full), and one token or one row smaller (every device switches to the worst-case branch):
-    all equal one device."""
+    full), and one token or one row smaller (every device switches to the worst-case branch,
+    as `padded_blocks` sizes it, in one round trip, or in 5 pieces whose last is padded): all
+    equal one device."""
     mesh, parts = mesh_of(mesh_name), MESHES[mesh_name]["expert"]
     out_ref, stats_ref, grads_ref = one_device("dropless", NO_DROPS)
     config = moe_config(dispatch="dropless", exchange="padded")
     tokens, rows = busiest_exchange(stats_ref.experts, parts, config.moe.num_experts)
-    _, worst = padded.padded_blocks(
-        B * S // parts, config.moe.experts_per_token, config.moe.num_experts, parts, 1.0
-    )
-    assert 1 < tokens <= worst.tokens and 1 < rows < worst.rows  # the usual branch exists
-    real = padded.padded_blocks
-    cases = [((tokens, rows), 0.0), ((tokens - 1, rows), 1.0), ((tokens, rows - 1), 1.0)]
-    for usual, worst_case in cases:
+    num_tokens, k = B * S // parts, config.moe.experts_per_token
+    _, worst = padded.padded_blocks(num_tokens, k, config.moe.num_experts, parts, 1.0)
+    assert 1 < tokens <= num_tokens and 1 < rows < parts * num_tokens * k  # the usual exists
+    rows_per_token = parts * min(k, config.moe.num_experts // parts)
+    assert num_tokens % 5 and worst.pieces != 5
+    in_one, in_five = [
+        padded.Blocks(-(-num_tokens // n), -(-num_tokens // n) * rows_per_token, n) for n in (1, 5)
+    ]
+    cases = [
+        ((tokens, rows), worst, 0.0),
+        ((tokens - 1, rows), worst, 1.0),
+        ((tokens, rows - 1), worst, 1.0),
+        ((tokens - 1, rows), in_one, 1.0),
+        ((tokens, rows - 1), in_five, 1.0),
+    ]
+    for usual, worst_case, took_worst in cases:
         blocks = padded.Blocks(*usual)
         monkeypatch.setattr(
-            padded, "padded_blocks", lambda *a, usual=blocks: (usual, real(*a)[1])
+            padded, "padded_blocks", lambda *a, usual=blocks, w=worst_case: (usual, w)
         )
         out, stats, grads = run(config, random_state(config), *inputs(), mesh=mesh)
-        assert_trees_close(out, out_ref, err_msg=f"{mesh_name} {blocks}")
-        assert_trees_close(grads, grads_ref, err_msg=f"{mesh_name} {blocks}")
-        assert float(stats.exchange_worst_case) == worst_case
+        assert_trees_close(out, out_ref, err_msg=f"{mesh_name} {blocks} {worst_case}")
+        assert_trees_close(grads, grads_ref, err_msg=f"{mesh_name} {blocks} {worst_case}")
+        assert float(stats.exchange_worst_case) == took_worst
 
 
 @pytest.mark.parametrize("num_experts, k, parts", [(4, 2, 2), (8, 3, 2), (8, 2, 4), (6, 4, 3)])
 def test_padded_blocks_expect_the_share_of_tokens_reaching_a_peer(num_experts, k, parts):
     """The usual block is factor × N × the share of the C(E, k) choices of k distinct experts
-    that include one of a given peer's E/P (counted here), capped by the worst case."""
+    that include one of a given peer's E/P (counted here), capped by the worst case. The worst
+    case covers every token reaching every peer with min(k, E/P) rows, in the fewest pieces whose
+    rows stay under the usual rows plus one token's."""
     local = num_experts // parts
+    rows_per_token = parts * min(k, local)
     choices = list(itertools.combinations(range(num_experts), k))
     share = sum(any(e < local for e in c) for c in choices) / len(choices)
-    tokens = 1000
-    for factor in (0.5, 1.0, 1.25, 4.0):
+    for tokens, factor in itertools.product((1000, 997, 3), (0.5, 1.0, 1.25, 4.0)):
         usual, worst = padded.padded_blocks(tokens, k, num_experts, parts, factor)
-        assert worst == (tokens, parts * tokens * min(k, local))
         assert usual.tokens == min(tokens, math.ceil(factor * tokens * share - 1e-9))
         assert usual.rows == min(
             parts * usual.tokens * min(k, local), math.ceil(factor * tokens * k)
         )
+        assert usual.pieces == 1
+        assert worst.rows == worst.tokens * rows_per_token
+        assert worst.pieces * worst.tokens >= tokens > (worst.pieces - 1) * worst.tokens
+        assert worst.rows < usual.rows + rows_per_token
+        if worst.pieces > 1:  # one piece fewer would overflow the usual rows
+            fewer = -(-tokens // (worst.pieces - 1))
+            assert fewer * rows_per_token > usual.rows
 
 
 @pytest.mark.slow

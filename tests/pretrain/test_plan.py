@@ -45,6 +45,35 @@ def test_collective_bytes_count_each_trip_of_a_loop():
     assert hlo_collectives.collective_bytes(hlo)["all-gather"] == 5 * 8 * 8 * 4
 
 
+def test_collective_bytes_count_a_conditionals_cheapest_branch_with_its_loops():
+    """One branch: an all-gather into [8, 8] f32 (256 bytes); the other: the same gather of a
+    half 4 times in a scan (512 bytes, 128 a trip). The first is the one that counts."""
+    mesh = sharding.make_mesh({"fsdp": 4})
+
+    def branches(x):
+        def gathered(a):
+            return jax.lax.all_gather(a, "fsdp", tiled=True).sum()
+
+        def in_a_loop():
+            body = lambda carry, _: (carry + gathered(x[:, :4] * carry), None)  # noqa: E731
+            return jax.lax.scan(body, jnp.ones(()), None, length=4)[0]
+
+        return jax.lax.cond(x.sum() > 0, lambda: gathered(x), in_a_loop)
+
+    step = jax.jit(
+        jax.shard_map(
+            branches,
+            mesh=mesh,
+            in_specs=PartitionSpec("fsdp"),
+            out_specs=PartitionSpec(),
+            check_vma=False,
+        )
+    )
+    hlo = step.lower(jnp.ones((8, 8))).compile().as_text()
+    assert "conditional(" in hlo and "known_trip_count" in hlo
+    assert hlo_collectives.collective_bytes(hlo)["all-gather"] == 8 * 8 * 4
+
+
 def test_collective_bytes_count_xla_gpus_async_pairs_once():
     """XLA:GPU prints collectives as start/done pairs: the done's result counts (the operand for
     a reduce-scatter), once, and a pair over a size-1 axis not at all."""
