@@ -15,8 +15,9 @@ token to reach every peer with min(k, E/Ep) rows would hold Ep · min(k, E/Ep) /
 times the usual rows (M3 on 8 expert devices at 32K tokens a device: 12.9 GB arrays, 180 GB a
 device planned). Either branch holds everything done on the device, `Beside` work
 (expert_parallel.py) included. With k = 4 of E = 32 experts on Ep = 2 devices a token has 2 rows
-for each device on average but is sent once (0.47 of the rows' traffic); the price is one more rounding of the partial sums to the activations' dtype than on
-one device (measured: benchmarks/RESULTS.md).
+for each device on average but is sent once (0.47 of the rows' traffic); the price is one more
+rounding of the partial sums to the activations' dtype than on one device (measured:
+benchmarks/RESULTS.md).
 
 Shapes: N tokens on a device, k experts per token, D model width, E experts (all), Ep
 expert-parallel devices.
