@@ -21,9 +21,21 @@ from m3jax import sharding
 from pretrain import hlo_collectives, plan
 
 
+def compiled_on_fsdp4(per_device) -> str:
+    """The compiled HLO text of `per_device` over an [8, 8] f32 array split by rows on fsdp=4."""
+    mesh = sharding.make_mesh({"fsdp": 4})
+    sharded = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=PartitionSpec("fsdp"),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
+    return jax.jit(sharded).lower(jnp.ones((8, 8))).compile().as_text()
+
+
 def test_collective_bytes_count_each_trip_of_a_loop():
     """An all-gather of [2, 8] f32 shards into [8, 8] (256 bytes) inside a 5-step scan."""
-    mesh = sharding.make_mesh({"fsdp": 4})
 
     def gathered_sum(x):
         def body(carry, _):
@@ -32,23 +44,13 @@ def test_collective_bytes_count_each_trip_of_a_loop():
 
         return jax.lax.scan(body, jnp.ones(()), None, length=5)[0]
 
-    step = jax.jit(
-        jax.shard_map(
-            gathered_sum,
-            mesh=mesh,
-            in_specs=PartitionSpec("fsdp"),
-            out_specs=PartitionSpec(),
-            check_vma=False,
-        )
-    )
-    hlo = step.lower(jnp.ones((8, 8))).compile().as_text()
+    hlo = compiled_on_fsdp4(gathered_sum)
     assert hlo_collectives.collective_bytes(hlo)["all-gather"] == 5 * 8 * 8 * 4
 
 
 def test_collective_bytes_count_a_conditionals_cheapest_branch_with_its_loops():
     """One branch: an all-gather into [8, 8] f32 (256 bytes); the other: the same gather of a
     half 4 times in a scan (512 bytes, 128 a trip). The first is the one that counts."""
-    mesh = sharding.make_mesh({"fsdp": 4})
 
     def branches(x):
         def gathered(a):
@@ -60,16 +62,7 @@ def test_collective_bytes_count_a_conditionals_cheapest_branch_with_its_loops():
 
         return jax.lax.cond(x.sum() > 0, lambda: gathered(x), in_a_loop)
 
-    step = jax.jit(
-        jax.shard_map(
-            branches,
-            mesh=mesh,
-            in_specs=PartitionSpec("fsdp"),
-            out_specs=PartitionSpec(),
-            check_vma=False,
-        )
-    )
-    hlo = step.lower(jnp.ones((8, 8))).compile().as_text()
+    hlo = compiled_on_fsdp4(branches)
     assert "conditional(" in hlo and "known_trip_count" in hlo
     assert hlo_collectives.collective_bytes(hlo)["all-gather"] == 8 * 8 * 4
 
