@@ -63,7 +63,7 @@ def _walk(computations: dict, name: str, trips: int) -> list[tuple[str, int, str
             found += _walk(computations, callee, trips * inner_trips)
         if branches:
             taken = (_walk(computations, branch, trips) for branch in branches)
-            found += min(taken, key=lambda items: sum(size for _, size, _ in items))
+            found += min(taken, key=lambda items: sum(item[1] for item in items))
     return found
 
 

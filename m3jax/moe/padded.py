@@ -120,7 +120,7 @@ def _routed(blocks: Blocks, ffn: ExpertFFN, local_experts: int):
     def run(x: jax.Array, chosen: jax.Array, weights: jax.Array):
         num_tokens = x.shape[0]
 
-        def sliced(a: jax.Array, fill) -> jax.Array:
+        def sliced(a: jax.Array, fill: int) -> jax.Array:  # [N, ...] -> [pieces, tokens, ...]
             padding = [(0, blocks.pieces * blocks.tokens - num_tokens)] + [(0, 0)] * (a.ndim - 1)
             a = jnp.pad(a, padding, constant_values=fill)
             return a.reshape(blocks.pieces, blocks.tokens, *a.shape[1:])
