@@ -82,9 +82,13 @@ def exchange(
     num_tokens, k = chosen.shape
     parts = jax.lax.axis_size(EXPERT_AXIS)
     usual, worst = padded_blocks(num_tokens, k, local_experts * parts, parts, factor)
-    fits = _blocks_fit(_owned_by(chosen, local_experts), usual, token_axes)
+    owned_by = _owned_by(chosen, local_experts)
+    fits = _blocks_fit(owned_by, usual, token_axes)
     result = _branches(
-        lambda blocks: on_device(_routed(blocks, ffn, local_experts)), usual, worst, fits
+        lambda blocks: on_device(_routed(blocks, owned_by.any(1), ffn, local_experts)),
+        usual,
+        worst,
+        fits,
     )
     return result, 1.0 - fits.astype(jnp.float32)
 
@@ -107,30 +111,29 @@ def _branches(padded, usual: Blocks, worst: Blocks, fits: jax.Array):
     return jax.lax.cond(fits, lambda: padded(usual), jax.checkpoint(lambda: padded(worst)))
 
 
-def _routed(blocks: Blocks, ffn: ExpertFFN, local_experts: int):
+def _routed(blocks: Blocks, visits: jax.Array, ffn: ExpertFFN, local_experts: int):
     """The routed experts' function of `exchange`'s `on_device`: `_round_trip` over the device's
     N tokens in `blocks.pieces` slices of `blocks.tokens`, one after another (a scan; the last
-    slice padded with tokens choosing no expert, which visit no device). Each slice is
-    rematerialised, so that the backward keeps only the slices' inputs, not all pieces'
-    activations at once."""
+    slice padded with tokens that visit no device). Each slice is rematerialised, so that the
+    backward keeps only the slices' inputs, not all pieces' activations at once. visits: [N, Ep]
+    whether token t goes to device p."""
     round_trip = functools.partial(_round_trip, ffn=ffn, local_experts=local_experts, blocks=blocks)
     if blocks.pieces == 1:
-        return round_trip
+        return functools.partial(round_trip, visits=visits)
 
     def run(x: jax.Array, chosen: jax.Array, weights: jax.Array):
         num_tokens = x.shape[0]
 
-        def sliced(a: jax.Array, fill: int) -> jax.Array:  # [N, ...] -> [pieces, tokens, ...]
+        def sliced(a: jax.Array) -> jax.Array:  # [N, ...] -> [pieces, tokens, ...], 0-padded
             padding = [(0, blocks.pieces * blocks.tokens - num_tokens)] + [(0, 0)] * (a.ndim - 1)
-            a = jnp.pad(a, padding, constant_values=fill)
-            return a.reshape(blocks.pieces, blocks.tokens, *a.shape[1:])
+            return jnp.pad(a, padding).reshape(blocks.pieces, blocks.tokens, *a.shape[1:])
 
         def piece(dropped, inputs):
             out, piece_dropped = jax.checkpoint(round_trip)(*inputs)
             return dropped + piece_dropped, out
 
         dropped, out = jax.lax.scan(
-            piece, jnp.zeros((), jnp.int32), (sliced(x, 0), sliced(chosen, -1), sliced(weights, 0))
+            piece, jnp.zeros((), jnp.int32), tuple(map(sliced, (x, chosen, weights, visits)))
         )
         return out.reshape(-1, x.shape[1])[:num_tokens], dropped
 
@@ -138,8 +141,7 @@ def _routed(blocks: Blocks, ffn: ExpertFFN, local_experts: int):
 
 
 def _owned_by(chosen: jax.Array, local_experts: int) -> jax.Array:
-    """[N, k] expert ids -> [N, k, Ep] bool: whether choice j of token t is on device p (none
-    for ids < 0)."""
+    """[N, k] expert ids -> [N, k, Ep] bool: whether choice j of token t is on device p."""
     owner = chosen // local_experts
     return owner[:, :, None] == jnp.arange(jax.lax.axis_size(EXPERT_AXIS), dtype=owner.dtype)
 
@@ -158,13 +160,15 @@ def _round_trip(
     x: jax.Array,
     chosen: jax.Array,
     weights: jax.Array,
+    visits: jax.Array,
     *,
     ffn: ExpertFFN,
     local_experts: int,
     blocks: Blocks,
 ) -> tuple[jax.Array, jax.Array]:
     """[N, D] tokens, [N, k] expert ids and weights -> (routed output [N, D], 0 rows dropped),
-    each token sent once to each device owning some of its experts (`blocks` must fit).
+    each token sent once to each device owning some of its experts (visits [N, Ep]: whether it
+    goes to device p; `blocks` must fit).
 
     A visit is a (token, peer) pair, numbered token · Ep + peer; it takes the next free slot of
     the [Ep, blocks.tokens] send blocks. Tokens go out and partial sums come back by one gather
@@ -173,7 +177,6 @@ def _round_trip(
     parts, me = jax.lax.axis_size(EXPERT_AXIS), jax.lax.axis_index(EXPERT_AXIS)
     num_tokens, k = chosen.shape
     num_slots = parts * blocks.tokens
-    visits = _owned_by(chosen, local_experts).any(1)  # [N, Ep]: whether it goes to device p
     slot = jnp.arange(parts, dtype=jnp.int32) * blocks.tokens + jnp.cumsum(visits, 0) - 1
     visit_slot = jnp.where(visits, slot, num_slots).astype(jnp.int32).reshape(-1)  # [N·Ep]
     slot_visit = inverse_permutation(visit_slot, num_slots)  # [Ep·blocks.tokens], N·Ep: empty
