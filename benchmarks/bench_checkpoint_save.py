@@ -5,24 +5,28 @@
 
 The session is built as `m3-train` builds it (`TrainingSession`, `Checkpoints` with the run's
 `checkpoint.async_save`), on one fixed batch already on the device (no input pipeline: the
-input stall is bench_input_stall's). Each step is dispatched and waited for, so every step's
-time is known:
+input stall is bench_input_stall's). Steps run as pretrain/train.py runs them: each is
+dispatched before the one before it is waited for (`Pipeline`), so the host's work between
+steps (and a save thread's use of the interpreter) hides behind the device's as it does in
+training; a step's time is the interval between its completion and the previous one's.
 
 1. `--steps` steps alone: the median step time T.
-2. `--saves` times: `session.save(step, loader)` after a step, as pretrain/train.py calls it
-   (the finiteness check, then Orbax's save, which copies the state to the host before it
-   returns and writes files in background threads; with `checkpoint.device_copy`, where the
-   device has room, Orbax saves a device copy of the state from a thread of its own:
-   `in_background`, pretrain/state_copy.py), then steps until `Checkpoints.poll` says the save
-   is complete. The save's cost is the time the call blocked plus what the steps run meanwhile
-   took beyond T:
+2. `--saves` times: the pipeline drained (train.py reads the newest step's loss before a save),
+   then `session.save(step, loader)` as train.py calls it (the finiteness check, then Orbax's
+   save, which copies the state to the host before it returns and writes files in background
+   threads; with `checkpoint.threaded_save`, where the devices have room for a second state,
+   Orbax's save runs in a thread of its own and the next step keeps its input: `in_background`,
+   pretrain/state_room.py), then steps until `Checkpoints.poll` says the save is complete, and
+   the pipeline drained again. The save's cost is what that stretch took beyond its steps':
 
-       cost = blocked + sum(step_i - T for the steps while the save was in progress)
+       cost = (drained after the save - drained before it) - steps meanwhile x T
 
-   reported as a fraction of one step (cost / T) and of the checkpoint interval
-   (cost / (checkpoint.every_steps x T)); the verdict takes the worst save after the first
-   (the first also sets Orbax's machinery up, once per run; it is listed too). The first 8 of
-   those step times are listed too: whether a save slows the step right after it or many.
+   that is the time the call blocked, the steps' slowdown and the pipeline's refill, reported
+   as a fraction of one step (cost / T) and of the checkpoint interval (cost /
+   (checkpoint.every_steps x T)); the verdict takes the worst save after the first (the first
+   also sets Orbax's machinery up and, threaded, compiles the undonated step: once per run; it
+   is listed too). The first 8 step times meanwhile are listed too: whether a save slows the
+   step right after it or many.
 
 Each save writes into an emptied `--dir`, which must hold one copy of the state (its size is
 printed first); the directory is removed at the end.
@@ -49,23 +53,54 @@ from pretrain.session import TrainingSession
 SAVE_TARGET = 0.03  # issue 18: an async save under 3 % of its step
 
 
-def timed_step(session: TrainingSession, batch, mode) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(session.step_on_devices(batch, mode))
-    return time.perf_counter() - start
+class Pipeline:
+    """Steps of `session` on one batch with one step in flight, as pretrain/train.py runs them."""
+
+    def __init__(self, session: TrainingSession, batch, mode):
+        self._session, self._batch, self._mode = session, batch, mode
+        self._in_flight = None
+        self.last_done = time.perf_counter()  # when the last step waited for was complete
+
+    def step(self) -> float | None:
+        """Dispatches a step, then waits for the one before it; returns that one's time (since
+        the completion before it), or None if none was in flight."""
+        previous = self._in_flight
+        self._in_flight = self._session.step_on_devices(self._batch, self._mode)
+        return None if previous is None else self._wait(previous)
+
+    def drain(self) -> float | None:
+        """Waits for the step in flight; returns its time (None if there was none)."""
+        previous, self._in_flight = self._in_flight, None
+        return None if previous is None else self._wait(previous)
+
+    def run(self, steps: int) -> list[float]:
+        """`steps` step times, from a drained pipeline to a drained pipeline."""
+        times = [self.step() for _ in range(steps)] + [self.drain()]
+        return [t for t in times if t is not None]
+
+    def _wait(self, metrics) -> float:
+        jax.block_until_ready(metrics)
+        done, before = time.perf_counter(), self.last_done
+        self.last_done = done
+        return done - before
 
 
-def one_save(session: TrainingSession, loader, batch, mode, step: int, step_s: float) -> dict:
-    """Starts the save of `step`, then steps until it is complete; the cost as in the docstring."""
-    start = time.perf_counter()
+def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, step_s: float):
+    """Saves `step` from a drained pipeline, steps until the save is complete, drains; the cost as
+    in the module doc."""
+    pipeline.drain()
+    start = pipeline.last_done
     session.save(step, loader)
     blocked = time.perf_counter() - start
-    in_background = session.checkpoints.saving_in_background
+    in_background = session.checkpoints.holds_saved_state
     during = []
     while session.run.checkpoint.async_save and session.checkpoints.poll() is None:
-        during.append(timed_step(session, batch, mode))
-    complete = time.perf_counter() - start
-    cost = blocked + sum(t - step_s for t in during)
+        if (seconds := pipeline.step()) is not None:
+            during.append(seconds)
+    if (seconds := pipeline.drain()) is not None:
+        during.append(seconds)
+    complete = pipeline.last_done - start if during else blocked  # synchronous: all blocked
+    cost = complete - len(during) * step_s
     return {"step": step, "blocked_s": blocked, "complete_s": complete,
             "in_background": in_background, "steps_during": len(during), "cost_s": cost,
             "cost_of_step": cost / step_s,
@@ -107,20 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     loader = make_loader(run)
     batch = jax.block_until_ready(session.put_batch(next(loader)))
     mode = session.forward_mode(1)
-    compile_s = timed_step(session, batch, mode)
-    timed_step(session, batch, mode)  # warm-up
-    alone = [timed_step(session, batch, mode) for _ in range(args.steps)]
-    step_s = statistics.median(alone)
+    pipeline = Pipeline(session, batch, mode)
+    compile_s = pipeline.run(1)[0]
+    pipeline.run(1)  # warm-up
+    step_s = statistics.median(pipeline.run(args.steps))
     print(f"compile {compile_s:.1f} s; step alone: median {step_s * 1e3:.1f} ms over "
           f"{args.steps}", flush=True)  # fmt: skip
     saves, step = [], args.steps + 2
     for _ in range(args.saves):
         if saves:
             fresh_checkpoints(session, directory)
-        saves.append(one_save(session, loader, batch, mode, step, step_s))
+        saves.append(one_save(session, loader, pipeline, step, step_s))
         step += saves[-1]["steps_during"] + 1
         print(json.dumps(saves[-1]), flush=True)
-        timed_step(session, batch, mode)  # the next save's step
+        pipeline.run(1)  # the next save's step
     session.checkpoints.close()
     shutil.rmtree(directory, ignore_errors=True)
     loader.close()

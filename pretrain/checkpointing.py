@@ -9,12 +9,13 @@ Restores go onto the current mesh: the abstract target carries the shardings. On
 complete the memory it freed is handed back to the OS (pretrain/host_memory.py), so host memory
 does not grow save after save.
 
-With `checkpoint.device_copy` (opt-in), an async save of a single-process run copies the state
-on its devices where they have room (pretrain/state_copy.py) and hands that copy to Orbax in a
-background thread, whose wait for the device-to-host copy then overlaps the following steps;
-otherwise Orbax's save blocks the caller until the state is on the host. With several
-processes the save stays on the caller's thread: Orbax's barriers there are device collectives,
-which must not interleave with the steps'.
+With `checkpoint.threaded_save` (opt-in), an async save of a single-process run hands the state
+to Orbax in a background thread where the devices have room for a second state
+(pretrain/state_room.py), so that its wait for the device-to-host copy overlaps the following
+steps; the caller must then not donate that state to its next step (`holds_saved_state`;
+pretrain/session.py runs that step undonated). Otherwise Orbax's save blocks the caller until
+the state is on the host. With several processes the save stays on the caller's thread: Orbax's
+barriers there are device collectives, which must not interleave with the steps'.
 
 Failures are reported as one-line errors naming the step: a failed save (`CheckpointSaveError`,
 raised by `save`, `poll` or `wait`, once its other writes are done and its temporary folder is
@@ -35,7 +36,7 @@ from collections.abc import Callable
 import jax
 import orbax.checkpoint as ocp
 
-from pretrain import host_memory, state_copy
+from pretrain import host_memory, state_room
 from pretrain.config import CheckpointConfig
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -76,10 +77,8 @@ class Checkpoints:
             ) from None
         self._saving: int | None = None  # step of a save that may still be running
         self._wait_after_save = not config.async_save
-        self._copies_on_device = (
-            config.async_save and config.device_copy and jax.process_count() == 1
-        )
-        self._background: _BackgroundSave | None = None  # Orbax's save of a device copy
+        self._threaded = config.async_save and config.threaded_save and jax.process_count() == 1
+        self._background: _BackgroundSave | None = None  # Orbax's save in a thread
         self._failed_steps: set[int] = set()  # whose temporary folders are to be removed
         self._quiet = contextlib.ExitStack()
         self._quiet.enter_context(quiet_orbax_errors())
@@ -93,11 +92,13 @@ class Checkpoints:
     def save(self, step: int, state: dict, data_state: dict, progress: dict) -> None:
         """Starts saving (in the background when async, else completes it); `poll` or `wait`
         reports the outcome of a background save. `state` may be donated to the next step as soon
-        as this returns."""
+        as this returns, unless `holds_saved_state`: then a thread reads it until the save is
+        complete."""
         self.wait()
         self._remove_leftovers()
-        if self._copies_on_device and state_copy.DEVICE_COPIES.has_room(state):
-            args = _save_args(state_copy.DEVICE_COPIES.copy(state), data_state, progress)
+        if self._threaded and state_room.SECOND_STATES.has_room(state):
+            state_room.SECOND_STATES.hold(state)
+            args = _save_args(state, data_state, progress)
 
             def save_in_background():
                 # Orbax raises a failed save's error once in each thread that waits for it: the
@@ -166,8 +167,9 @@ class Checkpoints:
         return target
 
     @property
-    def saving_in_background(self) -> bool:
-        """Whether the last save started was handed to a background thread (a device copy)."""
+    def holds_saved_state(self) -> bool:
+        """Whether a save started is still in a background thread, which reads its state: the
+        state must not be donated meanwhile."""
         return self._background is not None
 
     def close(self) -> None:
@@ -219,8 +221,8 @@ def _save_args(state: dict, data_state: dict, progress: dict) -> ocp.args.Compos
 
 
 class _BackgroundSave(threading.Thread):
-    """Runs Orbax's save of a device copy of the state (its blocking part: the copy to the host)
-    off the training thread, keeping the error it raises for `Checkpoints.wait`."""
+    """Runs Orbax's save (its blocking part: the copy of the state to the host) off the training
+    thread, keeping the error it raises for `Checkpoints.wait`."""
 
     def __init__(self, save: Callable[[], None]):
         super().__init__(name="m3jax-checkpoint-save", daemon=True)
@@ -233,7 +235,7 @@ class _BackgroundSave(threading.Thread):
         except Exception as e:  # reported by Checkpoints.wait, on the training thread
             self.error = e
         finally:
-            self._save = None  # the device copy goes once the host has it
+            self._save = None  # the saved state's buffers go once the host has it
 
 
 def abstract_with_shardings(shapes, shardings):

@@ -153,10 +153,10 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
-    # Async saves copy the state on its devices where they have room for a second one and move
-    # that copy to the host in a thread, beside the steps (single-process). Off by default: on the
-    # H200 the steps meanwhile slowed by what the save stopped blocking (benchmarks/RESULTS.md)
-    device_copy: bool = False
+    # Async saves move the state to the host in a thread, beside the steps, where the devices
+    # have room for a second state: the step after the save runs without donating it
+    # (single-process). Opt-in until timed on the H200 (benchmarks/RESULTS.md)
+    threaded_save: bool = False
     # An unreadable latest checkpoint: restore the newest intact older one (false: stop instead)
     restore_older_if_corrupt: bool = True
 

@@ -15,7 +15,7 @@ from m3jax.config_loading import to_mapping
 class _FakeCheckpoints:
     """A save that completes after `polls` polls."""
 
-    saving_in_background = True
+    holds_saved_state = True
 
     def __init__(self, polls: int):
         self.polls = polls
@@ -25,24 +25,62 @@ class _FakeCheckpoints:
         return 7 if self.polls < 0 else None
 
 
-def test_cost_is_blocked_time_plus_the_slowdown_of_the_steps_meanwhile(monkeypatch):
+class _FakePipeline:
+    """Steps of 1.25 s each, from t = 100 s."""
+
+    def __init__(self):
+        self.last_done, self._in_flight = 100.0, False
+
+    def step(self):
+        previous, self._in_flight = self._in_flight, True
+        return self._done() if previous else None
+
+    def drain(self):
+        previous, self._in_flight = self._in_flight, False
+        return self._done() if previous else None
+
+    def _done(self):
+        self.last_done += 1.25
+        return 1.25
+
+
+def test_cost_is_the_saves_stretch_beyond_its_steps_time(monkeypatch):
     session = types.SimpleNamespace(
         run=tiny_run(checkpoint={"async_save": True}),
         checkpoints=_FakeCheckpoints(polls=3),
         save=lambda step, loader: None,
     )
-    monkeypatch.setattr(bench_checkpoint_save, "timed_step", lambda *args: 1.25)
-    save = bench_checkpoint_save.one_save(session, None, None, None, step=7, step_s=1.0)
-    assert save["steps_during"] == 3 and save["in_background"]
+    monkeypatch.setattr(bench_checkpoint_save.time, "perf_counter", lambda: 100.5)
+    save = bench_checkpoint_save.one_save(session, None, _FakePipeline(), step=7, step_s=1.0)
+    assert save["steps_during"] == 3 and save["in_background"]  # 3 dispatched, drained after
+    assert save["blocked_s"] == pytest.approx(0.5)
     assert save["first_steps_ms"] == [1250.0] * 3
-    assert save["cost_s"] == pytest.approx(save["blocked_s"] + 3 * 0.25)
+    assert save["complete_s"] == pytest.approx(3 * 1.25)
+    assert save["cost_s"] == pytest.approx(3 * 1.25 - 3 * 1.0)
     assert save["cost_of_step"] == pytest.approx(save["cost_s"] / 1.0)
+
+
+def test_the_pipeline_dispatches_each_step_before_waiting_for_the_one_before(monkeypatch):
+    events = []
+
+    def step_on_devices(batch, mode):
+        events.append(("dispatch", len(events)))
+        return len(events) - 1
+
+    session = types.SimpleNamespace(step_on_devices=step_on_devices)
+    monkeypatch.setattr(bench_checkpoint_save.jax, "block_until_ready",
+                        lambda step: events.append(("wait", step)))  # fmt: skip
+    times = bench_checkpoint_save.Pipeline(session, None, None).run(3)
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["dispatch", "dispatch", "wait", "dispatch", "wait", "wait"]
+    assert [step for kind, step in events if kind == "wait"] == [0, 1, 3]  # in dispatch order
 
 
 @pytest.mark.slow  # ≈15 s on 2 cores per case, mostly compiling the tiny step
 @pytest.mark.parametrize("async_save", [True, False])
 def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
-    run = tiny_run(checkpoint={"async_save": async_save, "device_copy": True})
+    run = tiny_run(checkpoint={"async_save": async_save, "threaded_save": True})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(to_mapping(run)))
     directory = tmp_path / "checkpoints"
@@ -52,7 +90,7 @@ def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
     assert [s["step"] for s in report["saves"]] == [4, 4 + report["saves"][0]["steps_during"] + 1]
     for save in report["saves"]:
         assert save["complete_s"] >= save["blocked_s"] > 0
-        assert save["in_background"] == async_save  # a device copy where async (CPU: room)
+        assert save["in_background"] == async_save  # threaded where async (CPU: room)
         if not async_save:  # a synchronous save is all blocking: no step runs meanwhile
             assert save["steps_during"] == 0 and save["cost_s"] == save["blocked_s"]
     assert report["worst_cost_of_step"] == report["saves"][1]["cost_of_step"]

@@ -69,11 +69,11 @@ def straight(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("device_copy", [False, True])
+@pytest.mark.parametrize("threaded_save", [False, True])
 def test_failed_async_save_is_reported_retried_and_cleaned_up(
-    straight, tmp_path, monkeypatch, capsys, caplog, device_copy
+    straight, tmp_path, monkeypatch, capsys, caplog, threaded_save
 ):
-    checkpoint = {"async_save": True, "every_steps": 2, "device_copy": device_copy}
+    checkpoint = {"async_save": True, "every_steps": 2, "threaded_save": threaded_save}
     run = tiny_run(checkpoint=checkpoint)
     _disk_full_when_saving(monkeypatch, lambda step, failed: step == 4)
     summary = train(run, tmp_path / "run")
@@ -86,7 +86,7 @@ def test_failed_async_save_is_reported_retried_and_cleaned_up(
         "its temporary folder was removed, latest complete: step 2; retrying at the next step"
     )
     steps = _steps(tmp_path / "run")
-    if device_copy:  # the save runs in a thread: its failure is noticed at the next step or later
+    if threaded_save:  # the save runs in a thread: its failure is noticed at the next step or later
         assert steps[0] == 2 and steps[-1] == 6 and 4 not in steps, steps
     else:
         assert steps == [2, 5, 6]  # 5: the retry, 6: the last step
