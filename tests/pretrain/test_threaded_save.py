@@ -1,8 +1,9 @@
 """Threaded saves (`checkpoint.threaded_save`): Orbax's copy to the host runs in a background
 thread while the steps go on, the step right after the save keeps its input (not donated) and
-the checkpoint holds the state of its step; a device without room for a second state (pretrain/
-state_room.py), `threaded_save: false` or a synchronous save saves on the caller's thread (the
-default: opt-in); a failure in the background is raised by `wait` as a one-line save error."""
+the checkpoint holds the state of its step. A device without room for a second state
+(pretrain/state_room.py), `threaded_save: false` or a synchronous save saves on the caller's
+thread (the default: opt-in); a failure in the background is raised by `wait` as a one-line
+save error."""
 
 import errno
 import math
