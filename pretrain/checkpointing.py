@@ -96,8 +96,7 @@ class Checkpoints:
         complete."""
         self.wait()
         self._remove_leftovers()
-        if self._threaded and state_room.SECOND_STATES.has_room(state):
-            state_room.SECOND_STATES.hold(state)
+        if self._threaded and state_room.SECOND_STATES.reserve(state):
             args = _save_args(state, data_state, progress)
 
             def save_in_background():

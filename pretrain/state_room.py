@@ -29,8 +29,10 @@ class SecondStates:
         self._memory_stats = memory_stats
         self._held = 0  # the largest second state held, in bytes a device
 
-    def has_room(self, state) -> bool:
-        needed = sharding.bytes_per_device(state, _shardings(state))
+    def reserve(self, state) -> bool:
+        """Whether every device has room for a second `state`; if so, counts it as held beside
+        the steps' own from now on (in the peak counter once the next step ran)."""
+        needed = sharding.bytes_per_device(state, jax.tree.map(lambda x: x.sharding, state))
         devices = {d for x in jax.tree.leaves(state) for d in x.sharding.addressable_devices}
         for device in devices:
             stats = self._memory_stats(device)
@@ -40,15 +42,8 @@ class SecondStates:
             steps_peak = stats.get("peak_bytes_in_use", 0) - self._held
             if limit - steps_peak - needed < MARGIN * limit:
                 return False
+        self._held = max(self._held, needed)
         return True
-
-    def hold(self, state) -> None:
-        """Counts `state` as held beside the steps' own (from now on in the peak counter)."""
-        self._held = max(self._held, sharding.bytes_per_device(state, _shardings(state)))
-
-
-def _shardings(state):
-    return jax.tree.map(lambda x: x.sharding, state)
 
 
 # A device's peak counter is the process's, so the states held beside it are the process's too

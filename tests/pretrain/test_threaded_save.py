@@ -139,7 +139,7 @@ def test_without_a_threaded_save_the_save_runs_on_the_callers_thread(tmp_path, m
         threaded_save=why != "threaded_save off", async_save=why != "sync save"
     )
     if why == "no room":
-        monkeypatch.setattr(state_room.SecondStates, "has_room", lambda self, state: False)
+        monkeypatch.setattr(state_room.SecondStates, "reserve", lambda self, state: False)
     checkpoints = Checkpoints(tmp_path, config)
     expected, in_thread = _save_then_step(checkpoints, _state())
     assert not in_thread
@@ -176,9 +176,9 @@ def test_room_is_a_second_state_beside_the_steps_peak_plus_the_margin():
     limit = 1 << 30
     spare = math.ceil(state_room.MARGIN * limit)
     fits = limit - needed - spare  # the highest peak that leaves room
-    assert state_room.SecondStates(_device_stats(limit, fits)).has_room(state)
-    assert not state_room.SecondStates(_device_stats(limit, fits + 1)).has_room(state)
-    assert state_room.SecondStates(lambda device: None).has_room(state)  # CPU: host memory
+    assert state_room.SecondStates(_device_stats(limit, fits)).reserve(state)
+    assert not state_room.SecondStates(_device_stats(limit, fits + 1)).reserve(state)
+    assert state_room.SecondStates(lambda device: None).reserve(state)  # CPU: host memory
 
 
 def test_a_second_state_held_is_taken_off_the_peak_it_raised():
@@ -188,9 +188,8 @@ def test_a_second_state_held_is_taken_off_the_peak_it_raised():
     peak = limit - needed - math.ceil(state_room.MARGIN * limit)  # room for one more, just
     stats = {"bytes_limit": limit, "peak_bytes_in_use": peak}
     states = state_room.SecondStates(lambda device: stats)
-    assert states.has_room(state)
-    states.hold(state)
+    assert states.reserve(state)
     stats["peak_bytes_in_use"] += needed  # the next steps ran beside it
-    assert states.has_room(state)  # the steps' own peak has not grown
+    assert states.reserve(state)  # the steps' own peak has not grown
     stats["peak_bytes_in_use"] += 1  # ... now it has
-    assert not states.has_room(state)
+    assert not states.reserve(state)
