@@ -40,11 +40,20 @@ $(DEMO_BPE_TOKENIZER): | $(STAMP)
 # The kernel tests (Pallas' and Mosaic GPU's interpreters) run in a pytest process of their own:
 # in one process with the rest, a later XLA:CPU compile in a training test crashed in libgcc's
 # unwinder on a stale registered eh_frame (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-03).
+# The two processes run side by side (each mostly keeps one core busy; CI has two): the rest's
+# output streams, the kernels' follows it from $(KERNEL_TEST_LOG); either failing fails the run.
 # ARGS (paths, -k ...) run one process as given.
+KERNEL_TEST_LOG := .cache/test-kernels.log
 test: $(STAMP) $(HF_STAMP) $(PLAN_GPU_STAMP)
 ifeq ($(strip $(ARGS)),)
-	$(VENV)/bin/python -m pytest -q tests/pallas_kernels
-	$(VENV)/bin/python -m pytest -q --ignore=tests/pallas_kernels
+	@mkdir -p $(dir $(KERNEL_TEST_LOG))
+	@echo "tests/pallas_kernels runs beside the rest (its output follows theirs)"
+	@$(VENV)/bin/python -m pytest -q --durations=10 tests/pallas_kernels \
+		> $(KERNEL_TEST_LOG) 2>&1 & kernels=$$!; \
+	$(VENV)/bin/python -m pytest -q --durations=10 --ignore=tests/pallas_kernels; rest=$$?; \
+	wait $$kernels; kernel_status=$$?; \
+	echo "=== tests/pallas_kernels (exit $$kernel_status)"; cat $(KERNEL_TEST_LOG); \
+	test $$rest -eq 0 && test $$kernel_status -eq 0
 else
 	$(VENV)/bin/python -m pytest -q $(ARGS)
 endif
