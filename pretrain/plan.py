@@ -263,14 +263,26 @@ def _plan_devices(args) -> int:
     mesh = {**dict.fromkeys(sharding.MESH_AXES, 1), **parse_mesh(args.mesh)}
     overrides = [f"mesh.{k}={v}" for k, v in mesh.items()] + list(args.overrides)
     run = load_run_config(args.config, overrides)
-    data_parallel = _data_parallel(run)
-    rows = args.batch_size or data_parallel * run.train.grad_accum_steps
+    rows = planned_rows(args.batch_size, args.overrides, run, _data_parallel(run))
     data = {"batch_size": rows, **({"seq_len": args.seq_len} if args.seq_len else {})}
     run = dataclasses.replace(run, data=dataclasses.replace(run.data, **data))
     result = plan(run, args.layers)
     print(result.describe())
     print(result.as_json())
     return 0
+
+
+def planned_rows(
+    batch_size: int | None, overrides: list[str], run: RunConfig, data_parallel: int
+) -> int:
+    """Global rows to plan: `--batch-size`, else a `data.batch_size=` override (the config as the
+    run would take it), else one row per data-parallel device and accumulation step (a config's
+    own batch is the whole job's, not what a planned slice holds)."""
+    if batch_size:
+        return batch_size
+    if any(o.startswith("data.batch_size=") for o in overrides):
+        return run.data.batch_size
+    return data_parallel * run.train.grad_accum_steps
 
 
 def _data_parallel(run: RunConfig) -> int:

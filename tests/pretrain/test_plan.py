@@ -99,6 +99,13 @@ def test_plan_bytes_per_device_shrink_as_fsdp_grows():
     assert sharded.notes and "capacity" in sharded.notes[0]  # the dropless stand-in is named
 
 
+def test_planned_rows_take_the_flag_then_a_batch_override_then_one_per_device():
+    run = tiny_run(data={"batch_size": 3})
+    assert plan.planned_rows(5, ["data.batch_size=3"], run, data_parallel=2) == 5
+    assert plan.planned_rows(None, ["mesh.data=2", "data.batch_size=3"], run, 2) == 3
+    assert plan.planned_rows(None, ["mesh.data=2"], run, data_parallel=2) == 2
+
+
 @pytest.mark.slow
 def test_m3_plan_command_plans_8_fake_devices_growing_by_layers(tmp_path):
     config = tmp_path / "tiny.yaml"
