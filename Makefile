@@ -50,8 +50,7 @@ ifeq ($(strip $(ARGS)),)
 	@echo "tests/pallas_kernels runs beside the rest (its output follows theirs)"
 	@$(VENV)/bin/python -m pytest -q --durations=10 tests/pallas_kernels \
 		> $(KERNEL_TEST_LOG) 2>&1 & kernels=$$!; \
-	$(VENV)/bin/python -m pytest -q --durations=10 -n 2 --dist loadfile \
-		--ignore=tests/pallas_kernels; rest=$$?; \
+	$(VENV)/bin/python -m pytest -q --durations=10 --ignore=tests/pallas_kernels; rest=$$?; \
 	wait $$kernels; kernel_status=$$?; \
 	echo "=== tests/pallas_kernels (exit $$kernel_status)"; cat $(KERNEL_TEST_LOG); \
 	test $$rest -eq 0 && test $$kernel_status -eq 0
