@@ -14,19 +14,16 @@ training; a step's time is the interval between its completion and the previous 
 2. `--saves` times: the pipeline drained (train.py reads the newest step's loss before a save),
    then `session.save(step, loader)` as train.py calls it (the finiteness check, then Orbax's
    save, which copies the state to the host before it returns and writes files in background
-   threads; with `checkpoint.threaded_save`, where the devices have room for a second state,
-   Orbax's save runs in a thread of its own and the next step keeps its input: `in_background`,
-   pretrain/state_room.py), then steps until `Checkpoints.poll` says the save is complete, and
-   the pipeline drained again. The save's cost is what that stretch took beyond its steps':
+   threads), then steps until `Checkpoints.poll` says the save is complete, and the pipeline
+   drained again. The save's cost is what that stretch took beyond its steps':
 
        cost = (drained after the save - drained before it) - steps meanwhile x T
 
    that is the time the call blocked, the steps' slowdown and the pipeline's refill, reported
    as a fraction of one step (cost / T) and of the checkpoint interval (cost /
    (checkpoint.every_steps x T)); the verdict takes the worst save after the first (the first
-   also sets Orbax's machinery up and, threaded, compiles the undonated step: once per run; it
-   is listed too). The first 8 step times meanwhile are listed too: whether a save slows the
-   step right after it or many.
+   also sets Orbax's machinery up: once per run; it is listed too). The first 8 step times
+   meanwhile are listed too: whether a save slows the step right after it or many.
 
 Each save writes into an emptied `--dir`, which must hold one copy of the state (its size is
 printed first); the directory is removed at the end.
@@ -92,7 +89,6 @@ def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, st
     start = pipeline.last_done
     session.save(step, loader)
     blocked = time.perf_counter() - start
-    in_background = session.checkpoints.holds_saved_state
     during = []
     while session.run.checkpoint.async_save and session.checkpoints.poll() is None:
         if (seconds := pipeline.step()) is not None:
@@ -102,7 +98,7 @@ def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, st
     complete = pipeline.last_done - start if during else blocked  # synchronous: all blocked
     cost = complete - len(during) * step_s
     return {"step": step, "blocked_s": blocked, "complete_s": complete,
-            "in_background": in_background, "steps_during": len(during), "cost_s": cost,
+            "steps_during": len(during), "cost_s": cost,
             "cost_of_step": cost / step_s,
             "first_steps_ms": [round(t * 1e3, 1) for t in during[:8]]}  # fmt: skip
 
@@ -168,12 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         "worst_cost_of_step": worst, "below_target": worst < SAVE_TARGET,
         "cost_of_interval": worst / run.checkpoint.every_steps,
     }  # fmt: skip
-    print(f"\n| save | device copy | blocked s | complete s | steps meanwhile | cost s | of one "
-          f"step ({step_s * 1e3:.0f} ms) |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    print(f"\n| save | blocked s | complete s | steps meanwhile | cost s | of one step "
+          f"({step_s * 1e3:.0f} ms) |\n|---|---|---|---|---|---|")  # fmt: skip
     for s in saves:
-        print(f"| step {s['step']} | {'yes' if s['in_background'] else 'no'} | "
-              f"{s['blocked_s']:.3f} | {s['complete_s']:.2f} | {s['steps_during']} | "
-              f"{s['cost_s']:.3f} | {100 * s['cost_of_step']:.1f} % |")
+        print(f"| step {s['step']} | {s['blocked_s']:.3f} | {s['complete_s']:.2f} | "
+              f"{s['steps_during']} | {s['cost_s']:.3f} | {100 * s['cost_of_step']:.1f} % |")
     print(json.dumps(report), flush=True)
     return 0
 

@@ -9,14 +9,6 @@ Restores go onto the current mesh: the abstract target carries the shardings. On
 complete the memory it freed is handed back to the OS (pretrain/host_memory.py), so host memory
 does not grow save after save.
 
-With `checkpoint.threaded_save` (opt-in), an async save of a single-process run hands the state
-to Orbax in a background thread where the devices have room for a second state
-(pretrain/state_room.py), so that its wait for the device-to-host copy overlaps the following
-steps; the caller must then not donate that state to its next step (`holds_saved_state`;
-pretrain/session.py runs that step undonated). Otherwise Orbax's save blocks the caller until
-the state is on the host. With several processes the save stays on the caller's thread: Orbax's
-barriers there are device collectives, which must not interleave with the steps'.
-
 Failures are reported as one-line errors naming the step: a failed save (`CheckpointSaveError`,
 raised by `save`, `poll` or `wait`, once its other writes are done and its temporary folder is
 removed; removed again at later calls and at `close`, to be sure) and an unreadable
@@ -30,13 +22,11 @@ import logging
 import os
 import pathlib
 import shutil
-import threading
-from collections.abc import Callable
 
 import jax
 import orbax.checkpoint as ocp
 
-from pretrain import host_memory, state_room
+from pretrain import host_memory
 from pretrain.config import CheckpointConfig
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -77,8 +67,6 @@ class Checkpoints:
             ) from None
         self._saving: int | None = None  # step of a save that may still be running
         self._wait_after_save = not config.async_save
-        self._threaded = config.async_save and config.threaded_save and jax.process_count() == 1
-        self._background: _BackgroundSave | None = None  # Orbax's save in a thread
         self._failed_steps: set[int] = set()  # whose temporary folders are to be removed
         self._quiet = contextlib.ExitStack()
         self._quiet.enter_context(quiet_orbax_errors())
@@ -91,25 +79,16 @@ class Checkpoints:
 
     def save(self, step: int, state: dict, data_state: dict, progress: dict) -> None:
         """Starts saving (in the background when async, else completes it); `poll` or `wait`
-        reports the outcome of a background save. `state` may be donated to the next step as soon
-        as this returns, unless `holds_saved_state`: then a thread reads it until the save is
-        complete."""
+        reports the outcome of a background save."""
         self.wait()
         self._remove_leftovers()
-        if self._threaded and state_room.SECOND_STATES.reserve(state):
-            args = _save_args(state, data_state, progress)
-
-            def save_in_background():
-                # Orbax raises a failed save's error once in each thread that waits for it: the
-                # training thread has (self.wait() above), this one would raise it again
-                with contextlib.suppress(Exception):
-                    self._manager.wait_until_finished()
-                self._manager.save(step, args=args, force=True)
-
-            self._background = _BackgroundSave(save_in_background)
-        else:
-            with self._failure_of(step):
-                self._manager.save(step, args=_save_args(state, data_state, progress), force=True)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state),
+            progress=ocp.args.JsonSave(progress),
+        )
+        with self._failure_of(step):
+            self._manager.save(step, args=args, force=True)
         self._saving = step
         if self._wait_after_save:
             self.wait()
@@ -118,8 +97,6 @@ class Checkpoints:
         """Without blocking: the step of a save that just completed, if any; raises
         CheckpointSaveError if it failed."""
         self._remove_leftovers()
-        if self._background is not None and self._background.is_alive():
-            return None
         if self._saving is not None and not self._manager.is_saving_in_progress():
             return self.wait()
         return None
@@ -132,7 +109,6 @@ class Checkpoints:
         step, self._saving = self._saving, None
         try:
             with self._failure_of(step):
-                self._join_background()
                 self._manager.wait_until_finished()
         finally:
             host_memory.release_freed_memory()  # the save's host copies and write buffers
@@ -165,15 +141,7 @@ class Checkpoints:
         self._manager.reload()
         return target
 
-    @property
-    def holds_saved_state(self) -> bool:
-        """Whether a save started is still in a background thread, which reads its state: the
-        state must not be donated meanwhile."""
-        return self._background is not None
-
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # a save's outcome, if not yet waited for, is dropped
-            self._join_background()
         self._manager.close()
         self._remove_leftovers()
         self._quiet.close()
@@ -189,13 +157,6 @@ class Checkpoints:
             self._manager.reload()
             raise CheckpointSaveError(step, root_cause(e)) from None
 
-    def _join_background(self) -> None:
-        background, self._background = self._background, None
-        if background is not None:
-            background.join()
-            if background.error is not None:
-                raise background.error
-
     def _remove_leftovers(self) -> None:
         for step in self._failed_steps:
             for leftover in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
@@ -209,32 +170,6 @@ class Checkpoints:
         for write in background or ():
             with contextlib.suppress(Exception):
                 write.result()
-
-
-def _save_args(state: dict, data_state: dict, progress: dict) -> ocp.args.Composite:
-    return ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave(data_state),
-        progress=ocp.args.JsonSave(progress),
-    )
-
-
-class _BackgroundSave(threading.Thread):
-    """Runs Orbax's save (its blocking part: the copy of the state to the host) off the training
-    thread, keeping the error it raises for `Checkpoints.wait`."""
-
-    def __init__(self, save: Callable[[], None]):
-        super().__init__(name="m3jax-checkpoint-save", daemon=True)
-        self._save, self.error = save, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self._save()
-        except Exception as e:  # reported by Checkpoints.wait, on the training thread
-            self.error = e
-        finally:
-            self._save = None  # the saved state's buffers go once the host has it
 
 
 def abstract_with_shardings(shapes, shardings):

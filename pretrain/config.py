@@ -153,11 +153,6 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
-    # Async saves move the state to the host in a thread, beside the steps, where the devices
-    # have room for a second state: the step after the save runs without donating it
-    # (single-process). Timed on the H200: 12.5-13.4 s a bench-h200 save against 0.9 s without
-    # it (benchmarks/RESULTS.md, 2026-12-05); kept off while the cause is looked for
-    threaded_save: bool = False
     # An unreadable latest checkpoint: restore the newest intact older one (false: stop instead)
     restore_older_if_corrupt: bool = True
 

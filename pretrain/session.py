@@ -7,7 +7,6 @@ exactly the next batch. A state holding NaN or infinity is never saved.
 """
 
 import collections
-import functools
 import math
 from collections.abc import Callable
 
@@ -54,7 +53,6 @@ class TrainingSession:
         report: Callable[[str], None] = print,
     ):
         self.run, self.checkpoints, self.report = run, checkpoints, report
-        self._state_in_save = False  # a threaded save reads the state: the next step keeps it
         self.mesh = run_mesh(run)
         experts, expert_devices = run.model.moe.num_experts, self.mesh.shape[sharding.EXPERT_AXIS]
         if run.model.moe_layers and experts % expert_devices:
@@ -154,9 +152,7 @@ class TrainingSession:
     def step_on_devices(self, batch: Batch, mode: ForwardMode) -> dict:
         """One optimizer step on a batch already on the devices (`put_batch`); modality counts are
         left to `step`. benchmarks/bench_input_stall.py times the step alone through this."""
-        step = self._step_keeping_input if self._state_in_save else self._step
-        self._state_in_save = False
-        self.state, metrics = step(self.state, batch, mode)
+        self.state, metrics = self._step(self.state, batch, mode)
         self.tokens_seen += batch.tokens.size  # global B·S
         if mode.indexer_loss:
             metrics["msa_warmup"] = float(mode.msa_dense)  # 1 while sparse layers attend densely
@@ -174,25 +170,19 @@ class TrainingSession:
         }
         position = loader.state() if data_state is None else data_state
         self.checkpoints.save(step, self.state, data_item(gather(position)), saved)
-        self._state_in_save = self.checkpoints.holds_saved_state
 
     def _use_schedule(self, steps: int) -> None:
         """Builds the optimizer and the jitted step for an LR schedule decaying over `steps`."""
         self.schedule_steps = steps
         run, model = self.run, self.model
         self.optimizer = make_optimizer(run.optimizer, steps, model.param_axes)
-        step = make_train_step(model, self.optimizer, learning_rate(run.optimizer, steps), run)
-        jitted = functools.partial(
-            jax.jit,
-            step,
+        self._step = jax.jit(
+            make_train_step(model, self.optimizer, learning_rate(run.optimizer, steps), run),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, NamedSharding(self.mesh, PartitionSpec())),
             static_argnums=2,
+            donate_argnums=0,
         )
-        self._step = jitted(donate_argnums=0)
-        # after a threaded save (pretrain/checkpointing.py), whose thread still reads the state
-        # (compiled at the first such save: a second program of the step, once per process)
-        self._step_keeping_input = jitted()
 
     def _state_shardings(self) -> dict:
         return state_shardings(self.model, self.optimizer, self.abstract_state, self.mesh)

@@ -15,8 +15,6 @@ from m3jax.config_loading import to_mapping
 class _FakeCheckpoints:
     """A save that completes after `polls` polls."""
 
-    holds_saved_state = True
-
     def __init__(self, polls: int):
         self.polls = polls
 
@@ -52,7 +50,7 @@ def test_cost_is_the_saves_stretch_beyond_its_steps_time(monkeypatch):
     )
     monkeypatch.setattr(bench_checkpoint_save.time, "perf_counter", lambda: 100.5)
     save = bench_checkpoint_save.one_save(session, None, _FakePipeline(), step=7, step_s=1.0)
-    assert save["steps_during"] == 3 and save["in_background"]  # 3 dispatched, drained after
+    assert save["steps_during"] == 3  # 3 dispatched, drained after
     assert save["blocked_s"] == pytest.approx(0.5)
     assert save["first_steps_ms"] == [1250.0] * 3
     assert save["complete_s"] == pytest.approx(3 * 1.25)
@@ -80,7 +78,7 @@ def test_the_pipeline_dispatches_each_step_before_waiting_for_the_one_before(mon
 @pytest.mark.slow  # ≈15 s on 2 cores per case, mostly compiling the tiny step
 @pytest.mark.parametrize("async_save", [True, False])
 def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
-    run = tiny_run(checkpoint={"async_save": async_save, "threaded_save": True})
+    run = tiny_run(checkpoint={"async_save": async_save})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(to_mapping(run)))
     directory = tmp_path / "checkpoints"
@@ -90,7 +88,6 @@ def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
     assert [s["step"] for s in report["saves"]] == [4, 4 + report["saves"][0]["steps_during"] + 1]
     for save in report["saves"]:
         assert save["complete_s"] >= save["blocked_s"] > 0
-        assert save["in_background"] == async_save  # threaded where async (CPU: room)
         if not async_save:  # a synchronous save is all blocking: no step runs meanwhile
             assert save["steps_during"] == 0 and save["cost_s"] == save["blocked_s"]
     assert report["worst_cost_of_step"] == report["saves"][1]["cost_of_step"]
