@@ -84,17 +84,20 @@ class Config:
     # "triton": backward_kernel.py; "mosaic": the Mosaic GPU backward (mosaic_backward.py); "auto":
     # Mosaic where `concrete` picks it
     backward_kernel: str = "auto"
-    mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32)
+    # two warpgroups a program (paired; 1.02x the layer's fwd+bwd at 32K and 128K on the H200,
+    # benchmarks/RESULTS.md, 2026-12-05); "auto" takes one where Dh does not split in two
+    mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=2)
     # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
     # backward runs the teacher pass for it (long rows: 8.6 GB a layer at 512K tokens)
     teacher_bytes: int = 1 << 30
-    # the Mosaic forward's KL with a student: "pass", the attention pass and the KL pass compute
-    # the student's logits (its LSE, the KL) on each of an entry's head rows; "slots" (not yet
-    # timed on a GPU), the attention pass runs without the student and the KL pass computes the
-    # teacher alone; the student's kernel takes LSE_z and the KL one row per entry
-    # (mosaic_student.kl_terms); the pass' way kept for windows of more segments than it holds
-    kl_kernel: str = "pass"
+    # the Mosaic forward's KL with a student: "slots", the attention pass runs without the
+    # student and the KL pass computes the teacher alone; the student's kernel takes LSE_z and
+    # the KL one row per entry (mosaic_student.kl_terms; 1.08x the layer's forward at 128K on the
+    # H200, benchmarks/RESULTS.md, 2026-12-05); "pass", the attention pass and the KL pass compute
+    # the student's logits (its LSE, the KL) on each of an entry's head rows: also the way of
+    # windows of more segments than the slots hold
+    kl_kernel: str = "slots"
 
     @property
     def uses_mosaic(self) -> bool:
@@ -132,8 +135,9 @@ def concrete(
     compiled for a GPU, with each entry's G heads copied straight from q (G a multiple of 8: the
     layouts timed) and within the Mosaic forward's limits, else "triton". The backward: "mosaic"
     where the forward resolved to it and the Mosaic backward's limits hold (1.08x small-gpu's
-    training step at 4K rows and at 32K, benchmarks/RESULTS.md), else "triton". `index_q` is q
-    without a student."""
+    training step at 4K rows and at 32K, benchmarks/RESULTS.md), with one warpgroup a program
+    where the configured tiling's two do not fit (Dh not in two halves of 64, shared memory),
+    else "triton". `index_q` is q without a student."""
     group = q.shape[2] // k.shape[2]
     index_dim = 0 if index_q is q else index_q.shape[3]
     limits = (q.dtype, group, q.shape[3], block_size)
@@ -145,10 +149,18 @@ def concrete(
         )
         config = dataclasses.replace(config, forward_kernel="mosaic" if mosaic else "triton")
     if config.backward_kernel == "auto":
-        mosaic = config.uses_mosaic and not mosaic_backward.unsupported_reason(
-            *limits, config.mosaic_backward, index_dim
+        paired = config.mosaic_backward
+        fits = [
+            tiling
+            for tiling in (paired, dataclasses.replace(paired, warpgroups=1))
+            if not mosaic_backward.unsupported_reason(*limits, tiling, index_dim)
+        ]
+        mosaic = config.uses_mosaic and bool(fits)
+        config = dataclasses.replace(
+            config,
+            backward_kernel="mosaic" if mosaic else "triton",
+            mosaic_backward=fits[0] if mosaic else paired,
         )
-        config = dataclasses.replace(config, backward_kernel="mosaic" if mosaic else "triton")
     return config
 
 

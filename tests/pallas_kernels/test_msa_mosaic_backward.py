@@ -94,18 +94,21 @@ def test_student_gradients_match_reference_and_triton(group, kv_heads, forward, 
     assert_gradients_equal(got, gradients(pallas.Config(), *args, index=index))
 
 
-@pytest.mark.parametrize("with_student, query_runs, warpgroups",
-                         [(False, False, 1), (True, False, 1), (True, True, 1), (True, False, 2)])
-def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups):
+@pytest.mark.parametrize("with_student, query_runs, warpgroups, kl_kernel",
+                         [(False, False, 1, "slots"), (True, False, 1, "pass"),
+                          (True, True, 1, "slots"), (True, False, 2, "slots")])  # fmt: skip
+def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups, kl_kernel):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints, wgmma operands) of the
     backward kernels at Dh = Di = 128, G = 16: the forward, then the gradients kernel and with a
     student the KL pass (its teacher feeds the student's gradients) and the student's kernel;
-    with query runs, half the queries as context parallelism's two runs of slots. The Triton
+    with the KL on slots the forward is the attention pass, the teacher pass and the student's
+    kernel, beside the KL pass' way for windows of more segments (a `lax.cond`: 2 kernels); with
+    query runs, half the queries as context parallelism's two runs of slots. The Triton
     fallback for windows of too many segments lowers only with a GPU present: zeros of its
     kernel's shapes stand in for it here."""
     tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=warpgroups)
     config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic",
-                           mosaic_backward=tiling)  # fmt: skip
+                           mosaic_backward=tiling, kl_kernel=kl_kernel)  # fmt: skip
     triton = backward_kernel.backward_pass
 
     def stand_in(geo, tiling, *arrays, **kwargs):
@@ -129,7 +132,8 @@ def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups):
     grad = jax.jit(jax.grad(loss, argnums=differentiated))
     with mock.patch.object(backward_kernel, "backward_pass", stand_in):
         text = grad.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == (4 if with_student else 2)
+    forward = {"pass": 2, "slots": 3 + 2}[kl_kernel] if with_student else 1
+    assert text.count("custom_call @mosaic_gpu") == forward + (2 if with_student else 1)
 
 
 def test_unsupported_reason_names_the_backward_limits():
@@ -163,8 +167,9 @@ def test_unsupported_reason_names_the_backward_limits():
 
 
 def test_auto_takes_the_mosaic_backward_where_the_mosaic_forward_runs_and_it_fits():
-    """"auto" (the default): the Mosaic backward behind a Mosaic forward when its own limits hold;
-    the Triton backward in the interpreter, behind a Triton forward and where it does not fit."""
+    """"auto" (the default): the Mosaic backward behind a Mosaic forward when its own limits hold,
+    on two warpgroups a program where Dh splits in two halves of 64, else on one; the Triton
+    backward in the interpreter, behind a Triton forward and where it does not fit."""
     backward = lambda q, k, interpret=False, config=pallas.Config(): pallas.concrete(  # noqa: E731
         config, q, k, q, BLOCK, interpret
     ).backward_kernel
@@ -179,6 +184,12 @@ def test_auto_takes_the_mosaic_backward_where_the_mosaic_forward_runs_and_it_fit
     wide_q, wide_k = jnp.tile(q8, (1, 1, 1, 3)), jnp.tile(k8, (1, 1, 1, 3))
     wide = pallas.concrete(pallas.Config(), wide_q, wide_k, wide_q, BLOCK, False)
     assert (wide.forward_kernel, wide.backward_kernel) == ("mosaic", "triton")
+    warpgroups = lambda q, k: pallas.concrete(  # noqa: E731
+        pallas.Config(), q, k, q, BLOCK, False
+    ).mosaic_backward.warpgroups
+    assert pallas.Config().mosaic_backward.warpgroups == 2
+    assert q8.shape[-1] == 64 and warpgroups(q8, k8) == 1  # Dh 64: one warpgroup's columns
+    assert warpgroups(jnp.tile(q8, (1, 1, 1, 2)), jnp.tile(k8, (1, 1, 1, 2))) == 2  # Dh 128
 
 
 def test_sums_poison_a_window_with_more_segments_than_room():
