@@ -6,7 +6,10 @@ Usage (a trace written by `jax.profiler.trace(dir, create_perfetto_trace=True)`)
 For each device it prints the time its kernels ran (summed, and as the union of their intervals,
 which differ where streams overlap) and the kernels that took most of it, divided by --steps;
 for each kernel also how much of its time ran beside communication (NCCL kernels on another
-stream), where a kernel may be slowed by the SMs and memory bandwidth those take. With `--hlo
+stream), where a kernel may be slowed by the SMs and memory bandwidth those take. Memory copies
+(`MemcpyD2D`, `memcpy128`, ...) name no program part: each is attributed to the HLO op the trace
+gives it (`hlo_op`) or else to the kernel that ran before it on its stream, and the report lists
+each copy's largest origins. With `--hlo
 DUMP` (the program run under `XLA_FLAGS="--xla_dump_to=DUMP --xla_dump_hlo_as_text"`) each XLA
 fusion also gets the JAX op names it was fused from (`hlo_sources`), which name the model code
 (transposes of AD, `jvp`, the functions on the way) that a fusion's own name does not.
@@ -38,6 +41,7 @@ def load_events(trace_dir: str) -> tuple[list[dict], dict[int, str]]:
 
 
 COMMUNICATION_PREFIX = "nccl"  # NCCL's kernels: ncclDevKernel_SendRecv, ..._AllReduce_...
+COPY_MARK = "memcpy"  # the runtime's copies: MemcpyD2D, MemcpyH2D, memcpy128, ...
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -68,7 +72,8 @@ def overlap(start: float, end: float, disjoint: list[tuple[float, float]]) -> fl
 
 def summarize(trace_dir: str, device_prefix: str = "/device:GPU") -> dict[str, dict]:
     """Per device (process name containing `device_prefix`): kernel time in µs by name,
-    the summed and the busy (interval-union) time, and the communication kernels' busy time."""
+    the summed and the busy (interval-union) time, the communication kernels' busy time, and
+    each copy's time by origin (`copy_origins`)."""
     events, processes = load_events(trace_dir)
     by_device = collections.defaultdict(list)
     for event in events:
@@ -92,8 +97,25 @@ def summarize(trace_dir: str, device_prefix: str = "/device:GPU") -> dict[str, d
         busy = busy_time([(a, b) for _, a, b, _ in spans])
         out[device] = dict(kernels=kernels, summed=sum(kernels.values()), busy=busy,
                            beside_communication=beside_communication,
-                           communication_busy=busy_time(communication))  # fmt: skip
+                           communication_busy=busy_time(communication),
+                           copy_origins=copy_origins(device_events))  # fmt: skip
     return out
+
+
+def copy_origins(events: list[dict]) -> dict[str, collections.Counter]:
+    """Copy name -> its time in µs by origin: the HLO op the trace names (`args.hlo_op`), else
+    'after <kernel>', the last other event on its stream (pid, tid) before it."""
+    origins = collections.defaultdict(collections.Counter)
+    previous = {}
+    for event in sorted(events, key=lambda e: e["ts"]):
+        stream, name = (event["pid"], event.get("tid")), event["name"]
+        if COPY_MARK in name.lower():
+            op = (event.get("args") or {}).get("hlo_op")
+            origin = op or f"after {previous.get(stream, 'nothing')}"
+            origins[name][origin] += event["dur"]
+        else:
+            previous[stream] = name
+    return origins
 
 
 def _communicates(kernel_name: str) -> bool:
@@ -149,6 +171,9 @@ def report(summary: dict[str, dict], steps: int = 1, top: int = 30,
             lines.append(f"  {micros / steps / 1e3:8.3f} ms  {name[:110]}{note}")
             if sources and name in sources:
                 lines.append(f"               <- {sources[name][:300]}")
+            origins = parts["copy_origins"].get(name) or collections.Counter()
+            for origin, origin_micros in origins.most_common(5):
+                lines.append(f"               {origin_micros / steps / 1e3:8.3f} ms {origin[:200]}")
     return "\n".join(lines)
 
 

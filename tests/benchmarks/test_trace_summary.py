@@ -20,8 +20,9 @@ def write_trace(folder, events):
         json.dump({"traceEvents": processes + events}, f)
 
 
-def kernel(name, start, duration, pid=1):
-    return {"ph": "X", "name": name, "pid": pid, "tid": 7, "ts": start, "dur": duration}
+def kernel(name, start, duration, pid=1, tid=7, **args):
+    event = {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": start, "dur": duration}
+    return {**event, "args": args} if args else event
 
 
 def test_busy_time_counts_overlaps_once():
@@ -49,6 +50,33 @@ def test_summary_sums_kernels_per_device_and_skips_the_host(tmp_path):
     assert text.index("gemm") < text.index("nccl")  # most time first
     assert gpu["beside_communication"] == {"gemm": 40}
     assert "0.070 ms  gemm  (0.020 ms beside NCCL)" in text
+
+
+def test_copies_are_attributed_to_their_hlo_op_or_the_kernel_before_them_on_their_stream(
+    tmp_path,
+):
+    write_trace(
+        tmp_path,
+        [
+            kernel("MemcpyD2D", 500, 30, tid=9),  # first on its stream: after nothing
+            kernel("cond_fusion", 0, 100),
+            kernel("gemm", 50, 100, tid=9),  # another stream: not the copy's predecessor
+            kernel("MemcpyD2D", 200, 40),
+            kernel("MemcpyD2D", 300, 20, hlo_op="copy.7"),  # the trace names its op
+            kernel("memcpy128", 400, 10),
+        ],
+    )
+    gpu = trace_summary.summarize(str(tmp_path))["/device:GPU:0"]
+    assert gpu["copy_origins"]["MemcpyD2D"] == {
+        "after cond_fusion": 40, "copy.7": 20, "after gemm": 30
+    }
+    assert gpu["copy_origins"]["memcpy128"] == {"after cond_fusion": 10}  # a copy is no kernel
+    text = trace_summary.report({"/device:GPU:0": gpu}, steps=1)
+    lines = text.splitlines()
+    copy = next(i for i, line in enumerate(lines) if line.endswith("ms  MemcpyD2D"))
+    assert [line.split(" ms ")[1] for line in lines[copy + 1 : copy + 4]] == [
+        "after cond_fusion", "after gemm", "copy.7"
+    ]  # most time first
 
 
 def test_overlap_with_disjoint_intervals():
