@@ -85,7 +85,7 @@ class Config:
     # Mosaic where `concrete` picks it
     backward_kernel: str = "auto"
     # two warpgroups a program (paired; 1.02x the layer's fwd+bwd at 32K and 128K on the H200,
-    # benchmarks/RESULTS.md, 2026-12-05); "auto" takes one where Dh does not split in two
+    # benchmarks/RESULTS.md, 2026-12-05); `concrete` takes one where they do not fit
     mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=2)
     # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
@@ -135,9 +135,9 @@ def concrete(
     compiled for a GPU, with each entry's G heads copied straight from q (G a multiple of 8: the
     layouts timed) and within the Mosaic forward's limits, else "triton". The backward: "mosaic"
     where the forward resolved to it and the Mosaic backward's limits hold (1.08x small-gpu's
-    training step at 4K rows and at 32K, benchmarks/RESULTS.md), with one warpgroup a program
-    where the configured tiling's two do not fit (Dh not in two halves of 64, shared memory),
-    else "triton". `index_q` is q without a student."""
+    training step at 4K rows and at 32K, benchmarks/RESULTS.md), else "triton". A Mosaic
+    backward, "auto" or pinned, runs one warpgroup a program where the tiling's two do not fit
+    (Dh not in two halves of 64, shared memory). `index_q` is q without a student."""
     group = q.shape[2] // k.shape[2]
     index_dim = 0 if index_q is q else index_q.shape[3]
     limits = (q.dtype, group, q.shape[3], block_size)
@@ -148,19 +148,17 @@ def concrete(
             and not mosaic_forward.unsupported_reason(*limits, config.mosaic, index_dim)
         )
         config = dataclasses.replace(config, forward_kernel="mosaic" if mosaic else "triton")
+    paired = config.mosaic_backward
+    fits = [
+        tiling
+        for tiling in (paired, dataclasses.replace(paired, warpgroups=1))
+        if not mosaic_backward.unsupported_reason(*limits, tiling, index_dim)
+    ]
     if config.backward_kernel == "auto":
-        paired = config.mosaic_backward
-        fits = [
-            tiling
-            for tiling in (paired, dataclasses.replace(paired, warpgroups=1))
-            if not mosaic_backward.unsupported_reason(*limits, tiling, index_dim)
-        ]
         mosaic = config.uses_mosaic and bool(fits)
-        config = dataclasses.replace(
-            config,
-            backward_kernel="mosaic" if mosaic else "triton",
-            mosaic_backward=fits[0] if mosaic else paired,
-        )
+        config = dataclasses.replace(config, backward_kernel="mosaic" if mosaic else "triton")
+    if config.backward_kernel == "mosaic" and fits:
+        config = dataclasses.replace(config, mosaic_backward=fits[0])
     return config
 
 

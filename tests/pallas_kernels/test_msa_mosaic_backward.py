@@ -190,6 +190,9 @@ def test_auto_takes_the_mosaic_backward_where_the_mosaic_forward_runs_and_it_fit
     assert pallas.Config().mosaic_backward.warpgroups == 2
     assert q8.shape[-1] == 64 and warpgroups(q8, k8) == 1  # Dh 64: one warpgroup's columns
     assert warpgroups(jnp.tile(q8, (1, 1, 1, 2)), jnp.tile(k8, (1, 1, 1, 2))) == 2  # Dh 128
+    pinned = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic")
+    assert pallas.concrete(pinned, q8, k8, q8, BLOCK, False).mosaic_backward.warpgroups == 1
+    assert pallas.unsupported_reason(q8, k8, q8, block_size=BLOCK, config=pinned) == ""
 
 
 def test_sums_poison_a_window_with_more_segments_than_room():
