@@ -20,8 +20,8 @@ per-segment buffer (`segment_bound` segments) and XLA adds them into the keys' r
 With the indexer's student a second kernel (mosaic_student.py) walks the same items for d(index_q)
 and d(index_k), its own kernel so that the main one's registers stay with dK and dV.
 
-`Tiling.warpgroups = 2` (paired; pallas.Config's default, 1.02x the layer's forward+backward at
-32K and 128K on the H200, benchmarks/RESULTS.md 2026-12-05) takes both halves of a segment
+`Tiling.warpgroups = 2` (paired; pallas.Config's default, 1.03x the layer's forward+backward at
+32K, 1.01x at 128K on the H200, benchmarks/RESULTS.md 2026-12-05) takes both halves of a segment
 in one program, one warpgroup each: the chunks' Q and dO are copied once for both, and the dQ
 share of an entry is summed over the block in the kernel (each warpgroup computes half its
 columns from both halves' dSᵀ), so that it is stored once instead of once per half and XLA

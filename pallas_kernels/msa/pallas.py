@@ -84,8 +84,8 @@ class Config:
     # "triton": backward_kernel.py; "mosaic": the Mosaic GPU backward (mosaic_backward.py); "auto":
     # Mosaic where `concrete` picks it
     backward_kernel: str = "auto"
-    # two warpgroups a program (paired; 1.02x the layer's fwd+bwd at 32K and 128K on the H200,
-    # benchmarks/RESULTS.md, 2026-12-05); `concrete` takes one where they do not fit
+    # two warpgroups a program (paired; 1.03x the layer's fwd+bwd at 32K, 1.01x at 128K on the
+    # H200, benchmarks/RESULTS.md, 2026-12-05); `concrete` takes one where they do not fit
     mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=2)
     # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
