@@ -148,10 +148,10 @@ def concrete(
             and not mosaic_forward.unsupported_reason(*limits, config.mosaic, index_dim)
         )
         config = dataclasses.replace(config, forward_kernel="mosaic" if mosaic else "triton")
-    paired = config.mosaic_backward
+    configured = config.mosaic_backward  # the tiling asked for, then one warpgroup a program
     fits = [
         tiling
-        for tiling in (paired, dataclasses.replace(paired, warpgroups=1))
+        for tiling in dict.fromkeys((configured, dataclasses.replace(configured, warpgroups=1)))
         if not mosaic_backward.unsupported_reason(*limits, tiling, index_dim)
     ]
     if config.backward_kernel == "auto":
