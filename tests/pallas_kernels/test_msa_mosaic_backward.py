@@ -276,8 +276,8 @@ def test_a_teacher_over_its_budget_is_left_to_the_backward_s_kl_pass(teacher_byt
 def test_query_runs_through_the_mosaic_kernels_equal_the_whole_row():
     """Context parallelism's query slots (two runs of 75 consecutive slots, a later one first,
     cutting the packed documents) through the Mosaic forward, KL pass and backward with the
-    student: out, KL, dq and d(index_q) equal the whole row's at those rows; dk, dv and
-    d(index_k) of the row's two halves add up to the whole row's."""
+    student: out (up to bf16 rounding), KL, dq and d(index_q) equal the whole row's at those
+    rows; dk, dv and d(index_k) of the row's two halves add up to the whole row's."""
     q, k, v, blocks, segments, positions = inputs(4, 2, batch=1)
     index_q, index_k = student(2, q.shape[1], 1)
     config = dataclasses.replace(mosaic("mosaic"), mosaic=mosaic_forward.Tiling(segment_chunks=2))
@@ -306,7 +306,10 @@ def test_query_runs_through_the_mosaic_kernels_equal_the_whole_row():
     parts = [run(runs) for runs in halves]
     for runs, (grads, (out, kl)) in zip(halves, parts):
         rows = runs.reshape(-1)
-        np.testing.assert_array_equal(as_f32(out), as_f32(whole[0][:, rows]))
+        # equal up to bf16 rounding: XLA:CPU orders the combine's fp32 sums by shape and by
+        # the machine's vectors (1-2 bf16 ulps on an AMD EPYC; bit-equal on earlier hosts)
+        np.testing.assert_allclose(as_f32(out), as_f32(whole[0][:, rows]), rtol=2**-6,
+                                   atol=2**-10)
         np.testing.assert_allclose(as_f32(kl), as_f32(whole[1][:, rows]), atol=1e-6)
         assert_gradients_equal(grads[:2], [g[:, rows] for g in whole_grads[:2]])
     summed = [as_f32(a) + as_f32(b) for a, b in zip(parts[0][0][2:], parts[1][0][2:])]
