@@ -325,8 +325,11 @@ def sparse_attention(
 
 
 class _Windows:
-    """Queries in windows of W: [B, S, ...] <-> [num_windows, B, W, ...]. The S queries are R
-    runs of consecutive slots from `starts` [R]; each run is cut into windows, its last padded."""
+    """Queries in windows of W. The S queries are R runs of consecutive slots from `starts` [R];
+    each run is cut into windows, its last padded: a [B, S, ...] array `padded` is [B, count·W,
+    ...], window i its slots i·W .. i·W + W - 1. The loops over windows slice their operands out of
+    padded arrays and write their results into them in place (`take`, `put`), where stacking the
+    windows first ([count, B, W, ...]) copies every operand and result once more at B > 1."""
 
     def __init__(self, geo: chunks.Geometry, num_queries: int, starts: jax.Array):
         self.geo, self.runs = geo, starts.shape[0]
@@ -336,17 +339,34 @@ class _Windows:
         within = jnp.arange(self.per_run, dtype=jnp.int32) * geo.window
         self.offsets = (starts[:, None] + within).reshape(-1)
 
-    def split(self, x, fill=0):
+    def padded(self, x, fill=0):  # [B, S, ...] -> [B, count·W, ...]
         geo = self.geo
         x = x.reshape(geo.batch, self.runs, self.run_length, *x.shape[2:])
         pad = [(0, 0), (0, 0), (0, self.per_run * geo.window - self.run_length)]
         x = jnp.pad(x, pad + [(0, 0)] * (x.ndim - 3), constant_values=fill)
-        return jnp.moveaxis(x.reshape(geo.batch, self.count, geo.window, *x.shape[3:]), 1, 0)
+        return x.reshape(geo.batch, self.count * geo.window, *x.shape[3:])
 
-    def join(self, x):
+    def unpadded(self, x):  # [B, count·W, ...] -> [B, S, ...]
         geo = self.geo
-        x = jnp.moveaxis(x, 0, 1).reshape(geo.batch, self.runs, -1, *x.shape[3:])
+        x = x.reshape(geo.batch, self.runs, -1, *x.shape[2:])
         return x[:, :, : self.run_length].reshape(geo.batch, -1, *x.shape[3:])
+
+    def buffer(self, tail: tuple, dtype) -> jax.Array:
+        """Zeros [B, count·W, *tail] for the windows' results (`put`)."""
+        return jnp.zeros((self.geo.batch, self.count * self.geo.window, *tail), dtype)
+
+    def take(self, arrays, index):
+        """Window `index` [B, W, ...] of each padded array (a pytree; None stays None)."""
+        start, size = index * self.geo.window, self.geo.window
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, 1), arrays)
+
+    def put(self, buffers, values, index):
+        """`buffers` (padded, a pytree) with window `index` set to `values` [B, W, ...]."""
+        start = index * self.geo.window
+        return jax.tree.map(
+            lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x.astype(b.dtype), start, 1),
+            buffers, values,
+        )  # fmt: skip
 
 
 def _flat(x):  # [B, N, heads, D] -> [B·N·heads, D]
@@ -464,25 +484,24 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts):
         windows = _Windows(geo, num_queries, starts)
         segments = segment_ids.reshape(-1).astype(jnp.int32)
-        xs = (
-            windows.split(q),
-            windows.split(index_q) if with_student else None,
-            windows.split(blocks, fill=-1),
-            windows.split(positions),
-            windows.offsets,
-        )
+        inputs = (windows.padded(q), windows.padded(index_q) if with_student else None,
+                  windows.padded(blocks, fill=-1), windows.padded(positions))  # fmt: skip
         if mosaic:
             shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
             keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))
             index_keys = shifted(index_k.astype(q.dtype)) if with_student else None
-            out, kl, lse, lse_z, teacher = jax.lax.map(
-                lambda window: mosaic_window(keys, index_keys, segment_ids, window), xs
-            )
+            attend = functools.partial(mosaic_window, keys, index_keys, segment_ids)
         else:
-            out, kl, lse, lse_z, teacher = jax.lax.map(
-                lambda window: forward_window(k, v, index_k, segments, window), xs
-            )
-        out, kl = windows.join(out), kl if kl is None else windows.join(kl)
+            attend = functools.partial(forward_window, k, v, index_k, segments)
+
+        def step(joined, index):
+            out, kl, *saved = attend((*windows.take(inputs, index), windows.offsets[index]))
+            return windows.put(joined, (out, kl), index), saved
+
+        joined = (windows.buffer(q.shape[2:], q.dtype),
+                  windows.buffer((geo.num_kv_heads,), jnp.float32) if with_student else None)
+        (out, kl), (lse, lse_z, teacher) = jax.lax.scan(step, joined, jnp.arange(windows.count))
+        out, kl = windows.unpadded(out), kl if kl is None else windows.unpadded(kl)
         out, lse, lse_z, teacher = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
                                     for x in (out, lse, lse_z, teacher))  # fmt: skip
         residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, starts, out, lse,
@@ -563,12 +582,12 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         windows = _Windows(geo, num_queries, starts)
         delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
         segments = segment_ids.reshape(-1).astype(jnp.int32)
-        xs = (windows.split(q), windows.split(index_q) if with_student else None,
-              windows.split(blocks, fill=-1), windows.split(positions), windows.offsets,
-              windows.split(d_out), windows.split(delta),
-              windows.split(d_kl.astype(jnp.float32)) if with_student else None, lse,
-              lse_z, teacher)  # fmt: skip
-        if config.backward_kernel == "mosaic":
+        inputs = (windows.padded(q), windows.padded(index_q) if with_student else None,
+                  windows.padded(blocks, fill=-1), windows.padded(positions))  # fmt: skip
+        grads_in = (windows.padded(d_out), windows.padded(delta),
+                    windows.padded(d_kl.astype(jnp.float32)) if with_student else None)  # fmt: skip
+        mosaic_backward_kernel = config.backward_kernel == "mosaic"
+        if mosaic_backward_kernel:
             shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
             keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))
             index_keys = shifted(index_k.astype(q.dtype)) if with_student else None
@@ -578,31 +597,42 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             tiling = config.mosaic_backward
             bound = mosaic_backward.segment_bound(backward_geo, tiling)
 
-            def step(sums, window):
+            def window_step(sums, window):
                 blocks, positions, offset = window[2:5]
                 lists = lists_of(backward_geo, tiling, blocks, positions, offset)
-                mosaic = functools.partial(mosaic_backward_window, keys, index_keys, segment_ids,
-                                           lists)  # fmt: skip
+                gradients = functools.partial(mosaic_backward_window, keys, index_keys,
+                                              segment_ids, lists)  # fmt: skip
                 fallback = functools.partial(triton_fallback, k, v, index_k, segments)
                 overflow = lists.num_segments[0] > bound
-                return jax.lax.cond(overflow, fallback, mosaic, sums, window)
+                return jax.lax.cond(overflow, fallback, gradients, sums, window)
 
-            sums, (dq, diq) = jax.lax.scan(step, tuple(start), xs)
-            dk, dv = sums[:2]
-            dik = sums[2][:, :, 0] if with_student else None
         else:
             start = tuple(backward_kernel.accumulators(backward_geo, with_student)
                           for _ in range(2))  # fmt: skip
-            step = lambda sums, window: triton_window(  # noqa: E731
-                backward_geo, k, v, index_k, segments, sums, window
-            )
-            (added, totals), (dq, diq) = jax.lax.scan(step, start, xs)
-            dk, dv, dik = key_sums(added, totals, k, v, index_k)
+            window_step = functools.partial(triton_window, backward_geo, k, v, index_k, segments)
+
+        def step(carry, stacked):
+            sums, joined = carry
+            index, *saved = stacked  # the forward's per-window residuals
+            window = (*windows.take(inputs, index), windows.offsets[index],
+                      *windows.take(grads_in, index), *saved)  # fmt: skip
+            sums, grads = window_step(sums, window)
+            return (sums, windows.put(joined, grads, index)), None
+
+        joined = (windows.buffer(q.shape[2:], q.dtype),
+                  windows.buffer(index_q.shape[2:], index_q.dtype) if with_student else None)
+        stacked = (jnp.arange(windows.count), lse, lse_z, teacher)
+        (sums, (dq, diq)), _ = jax.lax.scan(step, (tuple(start), joined), stacked)
+        if mosaic_backward_kernel:
+            dk, dv = sums[:2]
+            dik = sums[2][:, :, 0] if with_student else None
+        else:
+            dk, dv, dik = key_sums(*sums, k, v, index_k)
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
         if not with_student:
-            return windows.join(dq), dk, dv, None, None, None, None, None, None
-        diq = windows.join(diq).astype(index_q.dtype)
-        return windows.join(dq), dk, dv, diq, dik.astype(index_k.dtype), None, None, None, None
+            return windows.unpadded(dq), dk, dv, None, None, None, None, None, None
+        diq = windows.unpadded(diq)
+        return windows.unpadded(dq), dk, dv, diq, dik.astype(index_k.dtype), None, None, None, None
 
     @jax.custom_vjp
     def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts):
