@@ -360,6 +360,15 @@ class _Windows:
         start, size = index * self.geo.window, self.geo.window
         return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, 1), arrays)
 
+    def queries(self, q, index_q, blocks, positions) -> tuple:
+        """The operands a window's queries own, padded (index_q may be None)."""
+        return (self.padded(q), None if index_q is None else self.padded(index_q),
+                self.padded(blocks, fill=-1), self.padded(positions))  # fmt: skip
+
+    def window(self, queries: tuple, index) -> tuple:
+        """Window `index` of `queries` and its offset: (q, index_q, blocks, positions, offset)."""
+        return (*self.take(queries, index), self.offsets[index])
+
     def put(self, buffers, values, index):
         """`buffers` (padded, a pytree) with window `index` set to `values` [B, W, ...]."""
         start = index * self.geo.window
@@ -484,8 +493,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts):
         windows = _Windows(geo, num_queries, starts)
         segments = segment_ids.reshape(-1).astype(jnp.int32)
-        inputs = (windows.padded(q), windows.padded(index_q) if with_student else None,
-                  windows.padded(blocks, fill=-1), windows.padded(positions))  # fmt: skip
+        inputs = windows.queries(q, index_q if with_student else None, blocks, positions)
         if mosaic:
             shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
             keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))
@@ -495,7 +503,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             attend = functools.partial(forward_window, k, v, index_k, segments)
 
         def step(joined, index):
-            out, kl, *saved = attend((*windows.take(inputs, index), windows.offsets[index]))
+            out, kl, *saved = attend(windows.window(inputs, index))
             return windows.put(joined, (out, kl), index), saved
 
         joined = (windows.buffer(q.shape[2:], q.dtype),
@@ -582,8 +590,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         windows = _Windows(geo, num_queries, starts)
         delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
         segments = segment_ids.reshape(-1).astype(jnp.int32)
-        inputs = (windows.padded(q), windows.padded(index_q) if with_student else None,
-                  windows.padded(blocks, fill=-1), windows.padded(positions))  # fmt: skip
+        inputs = windows.queries(q, index_q if with_student else None, blocks, positions)
         grads_in = (windows.padded(d_out), windows.padded(delta),
                     windows.padded(d_kl.astype(jnp.float32)) if with_student else None)  # fmt: skip
         mosaic_backward_kernel = config.backward_kernel == "mosaic"
@@ -614,8 +621,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         def step(carry, stacked):
             sums, joined = carry
             index, *saved = stacked  # the forward's per-window residuals
-            window = (*windows.take(inputs, index), windows.offsets[index],
-                      *windows.take(grads_in, index), *saved)  # fmt: skip
+            window = (*windows.window(inputs, index), *windows.take(grads_in, index), *saved)
             sums, grads = window_step(sums, window)
             return (sums, windows.put(joined, grads, index)), None
 
@@ -631,8 +637,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
         if not with_student:
             return windows.unpadded(dq), dk, dv, None, None, None, None, None, None
-        diq = windows.unpadded(diq)
-        return windows.unpadded(dq), dk, dv, diq, dik.astype(index_k.dtype), None, None, None, None
+        return (windows.unpadded(dq), dk, dv, windows.unpadded(diq), dik.astype(index_k.dtype),
+                None, None, None, None)
 
     @jax.custom_vjp
     def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts):
