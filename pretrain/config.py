@@ -105,6 +105,10 @@ class TrainConfig:
     # micro-batch's loss temporaries are ≈ 2 · loss_chunk_tokens · vocab_size fp32 (a device holds
     # its data-parallel share), not its tokens · vocab. Same loss and gradients at any value.
     loss_chunk_tokens: int = 2048
+    # The logits' dtype out of the lm_head product (fp32 accumulation either way; the softmax and
+    # its reductions run in fp32 on them): "float32", or "bfloat16", half the bytes of the
+    # [tokens, vocab] array the loss's passes read (MaxText's default; pretrain/chunked_loss.py)
+    logits_dtype: str = "float32"
     # Steps with a non-finite loss or gradient are skipped (nothing changes); more than
     # max_skipped_steps of them within skipped_steps_window steps stop the run.
     max_skipped_steps: int = 10
@@ -122,6 +126,8 @@ class TrainConfig:
                 f"steps={self.steps}, grad_accum_steps={self.grad_accum_steps} and "
                 f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 1"
             )
+        if self.logits_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"logits_dtype={self.logits_dtype!r} is not 'float32' or 'bfloat16'")
         if self.max_skipped_steps < 0 or self.skipped_steps_window < 1:
             raise ValueError(
                 f"max_skipped_steps={self.max_skipped_steps} must be >= 0 and "

@@ -88,7 +88,8 @@ def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
         def lm_loss(hidden, targets, *weights):  # the weighted LM loss of the lm_head's logits
             return chunked_lm_loss(hidden, params["lm_head"], targets, *weights,
                                    chunk_tokens=run.train.loss_chunk_tokens,
-                                   gathered=gathered)  # fmt: skip
+                                   gathered=gathered,
+                                   logits_dtype=run.train.logits_dtype)  # fmt: skip
 
         weights = lm_weights(run, batch.loss_mask, totals["loss_mask"])
         lm = lm_loss(normed, batch.targets, *weights)

@@ -123,6 +123,36 @@ def test_chunked_lm_loss_in_bfloat16_matches_the_plain_bfloat16_path():
         assert_close(actual, expected, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bfloat16_logits_are_the_plain_loss_of_the_rounded_logits(dtype):
+    """`logits_dtype=bfloat16`: each logit rounded to bf16, then the loss and its gradient in
+    fp32, as the plain path computes them on the rounded logits (the rounding's gradient passes
+    through unrounded); other than on fp32 logits where the rounding changes them."""
+    hidden, lm_head, targets, weights = random_inputs(3, 37, 16, 50, dtype=dtype)
+
+    def rounded_plain(hidden, lm_head, targets, nll_weights, lse_square_weights):
+        logits = jnp.einsum("bsd,dv->bsv", hidden, lm_head.astype(hidden.dtype),
+                            preferred_element_type=jnp.float32)  # fmt: skip
+        rounding = logits.astype(jnp.bfloat16).astype(jnp.float32) - logits
+        nll, lse = token_losses(logits + jax.lax.stop_gradient(rounding), targets)
+        return (nll_weights * nll).sum() + (lse_square_weights * lse**2).sum(), nll, lse
+
+    def bf16_logits(*args):
+        return tuple(chunked_lm_loss(*args, chunk_tokens=10, logits_dtype=jnp.bfloat16))
+
+    outputs, grads = values_and_gradients(bf16_logits, hidden, lm_head, targets, weights)
+    expected_outputs, expected_grads = values_and_gradients(
+        rounded_plain, hidden, lm_head, targets, weights
+    )
+    assert all(x.dtype == jnp.float32 for x in outputs)
+    for actual, expected in zip(outputs, expected_outputs, strict=True):
+        assert_close(actual, expected, rtol=1e-5)
+    for actual, expected in zip(grads, expected_grads, strict=True):
+        assert_close(actual, expected, rtol=1e-5 if dtype == jnp.float32 else 2e-2)
+    fp32_nll = values_and_gradients(chunked(10), hidden, lm_head, targets, weights)[0][1]
+    assert np.abs(np.asarray(fp32_nll) - np.asarray(outputs[1])).max() > 1e-4
+
+
 def loss_and_grad_temp_bytes(losses, tokens, dim=256, vocab=M3_VOCAB) -> int:
     """XLA's temporary buffers (CPU buffer assignment) of nll + z-loss and their gradients w.r.t.
     hidden and lm_head, for one row of `tokens`; compiled only, never run."""
