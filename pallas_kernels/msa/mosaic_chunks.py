@@ -194,6 +194,9 @@ def tiles(dtype, *shape):
 
 KEY_PARTS = 2  # items per segment: key halves, so that dK and dV fit one warpgroup's registers
 PART_KEYS = 64  # keys of an item: one wgmma M
+# rows past the last entry of the KL pass' teacher [E + TEACHER_TAIL, block]: the student's
+# kernel copies a segment's entries a whole slot of 64 at a time, up to 63 rows past its last
+TEACHER_TAIL = 64
 WGMMA = plgpu.Layout.WGMMA
 ROW_LAYOUT, COLUMN_LAYOUT = WGMMA.reduce(1), WGMMA.reduce(0)
 
@@ -222,17 +225,19 @@ def copy_keys(ref, smem, index, part, block_operands) -> tuple:
     return row
 
 
-def key_data(smem, row, part, num_operands: int) -> tuple[jax.Array, jax.Array]:
+def key_data(smem, row, part, num_operands: int, layout=None) -> tuple[jax.Array, jax.Array]:
     """Wait for `copy_keys`' copies -> the key half's global slots (NOT_VISIBLE before the
-    block's row) and segment ids, one per tile row."""
+    block's row) and segment ids, one per tile row (`layout` ROW_LAYOUT; COLUMN_LAYOUT: one per
+    tile column, for tiles with the keys along their columns)."""
+    layout = layout or ROW_LAYOUT
     key_slot, row_start = row[4], row[5]
     for bar in range(num_operands):
         plgpu.barrier_wait(smem["key_bars"].at[bar])
     slots = key_slot + part * PART_KEYS + plgpu.broadcasted_iota(
-        jnp.int32, (PART_KEYS,), 0, layout=ROW_LAYOUT
+        jnp.int32, (PART_KEYS,), 0, layout=layout
     )
     slots = jnp.where(slots >= row_start, slots, NOT_VISIBLE)
-    return slots, plgpu.load(smem["kseg"], layout=ROW_LAYOUT, optimized=False)
+    return slots, plgpu.load(smem["kseg"], layout=layout, optimized=False)
 
 
 def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices,

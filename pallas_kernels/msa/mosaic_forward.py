@@ -24,7 +24,7 @@ lse_z): S again, P = exp(S - LSE) per head, the teacher t = the group's mean as 
 with a constant averaging matrix A [R, R] (a reduction across a tile's rows would cross threads
 and warps; P goes in two 16-bit parts for ~16-bit precision), z again, and per row Σ t·(log t -
 (z·Di^-½ - LSE_z)) where t > 0, stored per entry; pallas.py adds a query's k entries. The
-teacher itself is stored too, one fp32 row per entry ([E, block], from an unswizzled staging
+teacher itself is stored too, one fp32 row per entry ([E + 64, block], from an unswizzled staging
 buffer a row at a time): the student's gradients start from it (mosaic_student.py) instead of
 computing P again. That is the Triton forward pass minus its P·V (the Triton path pays its two
 Q·Kᵀ as well). The index operands enter the wgmma in q's dtype. Without the student's operands
@@ -87,6 +87,7 @@ from pallas_kernels.msa import block_lists, chunks
 from pallas_kernels.msa.mosaic_chunks import (
     NOT_VISIBLE,
     TABLE_COLUMNS,
+    TEACHER_TAIL,
     TILE_ROWS,
     block_lse,
     broadcast,
@@ -396,9 +397,9 @@ def kl_pass(
     interpret: bool = False,
 ) -> tuple[jax.Array | None, jax.Array | None]:
     """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
-    an entry) and, `with_teacher`, the teacher over the block's keys [E, block] fp32 (the group's
-    mean probability under the global LSEs: the student's gradients start from it,
-    mosaic_student.py; else None), over the same segments and chunks as `forward`, given the
+    an entry) and, `with_teacher`, the teacher over the block's keys [E + TEACHER_TAIL, block]
+    fp32 (the group's mean probability under the global LSEs: the student's gradients start
+    from it, mosaic_student.py; else None; the tail rows are never written), over the same segments and chunks as `forward`, given the
     global LSEs per row `lses` (`row_values` of lse and lse_z); the other operands as
     `forward`'s. Without a `student` the pass computes the teacher alone (KL None), for the
     student's kernel to take the KL one row per entry (`mosaic_student.kl_terms`)."""
@@ -409,7 +410,9 @@ def kl_pass(
         operands.update(iq=student[0], ik=student[1])
         outputs["kl"] = jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32)
     if with_teacher or student is None:
-        outputs["teacher"] = jax.ShapeDtypeStruct((geo.entries, geo.block_size), jnp.float32)
+        # rows past E never stored (`TEACHER_TAIL`: the student's slot copies read them)
+        rows = geo.entries + TEACHER_TAIL
+        outputs["teacher"] = jax.ShapeDtypeStruct((rows, geo.block_size), jnp.float32)
     results = _launch(geo, tiling, operands, outputs, interpret)
     return results.get("kl"), results.get("teacher")
 

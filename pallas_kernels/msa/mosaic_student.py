@@ -2,28 +2,30 @@
 KL between the main branch's head-averaged attention (the teacher) and the student's softmax.
 
 The forward's KL pass (mosaic_forward.py: `kl_pass`) leaves the teacher of every selection entry
-over its block's keys, [E, block] fp32; XLA lays it out per slot part and key half
-(`teacher_tiles`). The kernel walks the gradients kernel's items (mosaic_backward.py: a segment's
-key half of 64 keys) and runs on a segment's entries in slots of SLOT_ENTRIES, taken in parts of
-PART_ENTRIES: per part it loads the teacher tile [keys, PART_ENTRIES] from GMEM, and the
-student's logits zᵀ = index_k·index_qᵀ, its probabilities exp(zᵀ·Di^-½ - LSE_z), d_zᵀ =
-(student - teacher)·d_kl·Di^-½ and d(index_q)ᵀ = index_kᵀ·d_zᵀ are wgmmas of N = PART_ENTRIES
-columns; once per slot d(index_k) += d_zᵀ·index_q (K = SLOT_ENTRIES: Mosaic GPU takes
-shared-memory operands of K ≥ 64 only, and a non-transposed B only with N ≥ 64, hence the
-transposed d_z). The kernel before recomputed the teacher (Sᵀ = K·Qᵀ and Pᵀ of every head, their
-group mean on wgmma): 32.6 ms of a bench-h200 step on the H200 (benchmarks/RESULTS.md,
-2026-12-03).
+over its block's keys, [E (+ a tail), block] fp32, one row per sorted entry. The kernel walks the
+gradients kernel's items (mosaic_backward.py: a segment's key half of 64 keys) and runs on a
+segment's entries in slots of SLOT_ENTRIES: per slot a TMA copy brings the slot's teacher rows
+[entries, keys] (a segment's entries are consecutive sorted entries, so the rows are one window of
+the teacher) beside its index_q rows, and the student's logits z = index_q·index_kᵀ [entries,
+keys], its probabilities exp(z·Di^-½ - LSE_z), d_z = (student - teacher)·d_kl·Di^-½,
+d(index_q) = d_z·index_k and d(index_k) += d_zᵀ·index_q are wgmmas of M = SLOT_ENTRIES (entries
+along the rows: the teacher loads as stored; keys along the rows, it would need a transposed
+load, which Mosaic GPU lowers for no fp32 WGMMA tile, and XLA laid the teacher out per key half
+and slot part first: 28 GB written a bench-h200 step at two rows, by XLA:GPU's plan). The kernel
+before these recomputed the teacher (Sᵀ = K·Qᵀ and Pᵀ of every head, their group mean on
+wgmma): 32.6 ms of a bench-h200 step on the H200 (benchmarks/RESULTS.md, 2026-12-03).
 
-The same kernel takes the forward's KL with `Config.kl_kernel = "slots"` (`kl_terms`): per
-part and entry the LSE of zᵀ·Di^-½ over the half's keys, Σ t·(log t - zᵀ·Di^-½) and Σ t, one
-value per entry, where the attention and KL passes compute z, its LSE and the KL's logs on every
-one of an entry's Ge head rows (16 at M3's layout), with their own copies of the index rows.
+The same kernel takes the forward's KL with `Config.kl_kernel = "slots"` (`kl_terms`): per slot
+and entry the LSE of z·Di^-½ over the half's keys, Σ t·(log t - z·Di^-½) and Σ t, one value per
+entry, where the attention and KL passes compute z, its LSE and the KL's logs on every one of an
+entry's Ge head rows (16 at M3's layout), with their own copies of the index rows.
 
 Slots: a segment's entries in runs of SLOT_ENTRIES, numbered across segments by `slot_layout`
 (so each slot's operands are one aligned TMA copy and its d(index_q) stores that no other
 program touches). XLA lays out per slot row the entry's index_q row, its query's slot and segment
-id (the mask), LSE_z and d_kl, and the teacher; and maps the slots' d(index_q) back to sorted
-entries.
+id (the mask), LSE_z and d_kl; and maps the slots' d(index_q) back to sorted entries. A slot's
+rows past its segment's entries are empty: no key is visible to them, so the teacher rows the
+copy brings there (the next segment's entries, or the teacher's unwritten tail) never count.
 
 Shapes: as mosaic_forward.py's; N = number of slots, Di index head dim.
 """
@@ -42,6 +44,8 @@ from pallas_kernels.msa.mosaic_chunks import (
     KEY_PARTS,
     LOG2E,
     PART_KEYS,
+    ROW_LAYOUT,
+    TEACHER_TAIL,
     WGMMA,
     block_lse,
     broadcast,
@@ -58,9 +62,8 @@ from pallas_kernels.msa.mosaic_chunks import (
 )
 from pallas_kernels.msa.mosaic_forward import Tiling
 
-SLOT_ENTRIES = 64  # entries of a slot: the K of d(index_k) += d_zᵀ·index_q (a whole swizzle)
-PART_ENTRIES = 16  # entries of a slot's part: the N of the student's other wgmmas
-SLOT_PARTS = SLOT_ENTRIES // PART_ENTRIES
+SLOT_ENTRIES = 64  # entries of a slot: the M of the student's wgmmas, the K of d(index_k)'s
+assert SLOT_ENTRIES <= TEACHER_TAIL  # a slot's teacher copy stays within the teacher's rows
 
 
 class Slots(NamedTuple):
@@ -115,24 +118,13 @@ def slot_operands(geo: chunks.Geometry, lists: block_lists.BlockLists, slots: Sl
     return index_q, data, values
 
 
-def teacher_tiles(teacher: jax.Array, slots: Slots, count: int) -> jax.Array:
-    """The KL pass' teacher per sorted entry [E, block] fp32 -> per (key half, slot part)
-    [KEY_PARTS, count·SLOT_PARTS, PART_KEYS, PART_ENTRIES] (keys along rows; zeros on empty
-    slot rows, whose entries were never stored)."""
-    entries = teacher.shape[0]
-    rows = teacher[jnp.minimum(slots.entry_of_row, entries - 1)]
-    rows = jnp.where((slots.entry_of_row < entries)[:, None], rows, 0.0)
-    rows = rows.reshape(count * SLOT_PARTS, PART_ENTRIES, KEY_PARTS, PART_KEYS)
-    return rows.transpose(2, 0, 3, 1)
-
-
 def shared_bytes(index_dim: int, itemsize: int = 2) -> int:
     """Shared memory of one program of the kernel (`_scratch`): index_k's key half, a slot's
-    index_q rows and d_z, the fp32 d(index_q)ᵀ and sum staging, key segment ids and slot
-    words."""
+    index_q rows and d_z, its fp32 teacher rows and d(index_q) staging, the fp32 sum staging,
+    key segment ids and slot words."""
     keys, slot = PART_KEYS, SLOT_ENTRIES
     tiles_ = keys * index_dim + slot * index_dim + slot * keys
-    words = keys + 4 * slot + index_dim * PART_ENTRIES + keys * index_dim
+    words = keys + 4 * slot + slot * keys + slot * index_dim + keys * index_dim
     return tiles_ * itemsize + 4 * words
 
 
@@ -151,16 +143,14 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
     index_dim, count = index_q.shape[1], num_slots(geo.entries, bound)
     operands = dict(table=operands["table"], count=operands["count"], kseg=operands["kseg"],
                     ik=index_keys, base=slots.base, iq=index_q, slot_data=data,
-                    slot_values=values,
-                    teacher=teacher_tiles(window["teacher"], slots, count))  # fmt: skip
+                    slot_values=values, teacher=window["teacher"])  # fmt: skip
+    rows = KEY_PARTS * count * SLOT_ENTRIES
     outputs = dict(
-        diq=jax.ShapeDtypeStruct((KEY_PARTS * count * SLOT_PARTS * index_dim, PART_ENTRIES),
-                                 jnp.float32),
+        diq=jax.ShapeDtypeStruct((rows, index_dim), jnp.float32),
         dik=jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, index_dim), jnp.float32),
     )
     results = _launch(geo, tiling, operands, outputs, interpret)
-    diq = results["diq"].reshape(KEY_PARTS, count * SLOT_PARTS, index_dim, PART_ENTRIES)
-    diq = diq.sum(axis=0).transpose(0, 2, 1).reshape(-1, index_dim)
+    diq = results["diq"].reshape(KEY_PARTS, -1, index_dim).sum(axis=0)
     return diq.at[slots.row_of_entry].get(mode="fill", fill_value=0.0)[None], results["dik"]
 
 
@@ -184,7 +174,7 @@ def kl_terms(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists
     count = num_slots(geo.entries, bound)
     operands = dict(table=operands["table"], count=operands["count"], kseg=operands["kseg"],
                     ik=index_keys, base=slots.base, iq=index_q, slot_data=data,
-                    teacher=teacher_tiles(window["teacher"], slots, count))  # fmt: skip
+                    teacher=window["teacher"])  # fmt: skip
     rows = jax.ShapeDtypeStruct((KEY_PARTS * count * SLOT_ENTRIES,), jnp.float32)
     results = _launch(geo, tiling, operands, dict.fromkeys(TERMS, rows), interpret)
     lse_z, cross, mass = (
@@ -203,9 +193,8 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     index_dim = operands["iq"].shape[1]
     index_scale = index_dim**-0.5
     terms = "mass" in outputs  # the forward's KL terms, no gradients
-    count = (outputs["mass"].shape[0] // (KEY_PARTS * SLOT_ENTRIES) if terms
-             else outputs["diq"].shape[0] // (KEY_PARTS * index_dim * SLOT_PARTS))  # fmt: skip
-    tile = (PART_KEYS, PART_ENTRIES)
+    count = next(iter(outputs.values())).shape[0] // (KEY_PARTS * SLOT_ENTRIES)
+    tile = (SLOT_ENTRIES, PART_KEYS)  # entries along the rows, the half's keys along the columns
     block_operands = ["kseg", "ik"]
     per_row = [name for name in ("slot_data", "slot_values") if name in operands]
     accumulate = functools.partial(wgmmas, interpret)
@@ -215,8 +204,10 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
         def item_body(index, part):
             row = copy_keys(ref, smem, index, part, block_operands)
-            key_slots, key_segments = key_data(smem, row, part, len(block_operands))
-            base, slot_count = ref["base"][index], (row[1] + SLOT_ENTRIES - 1) // SLOT_ENTRIES
+            key_slots, key_segments = key_data(smem, row, part, len(block_operands),
+                                               layout=COLUMN_LAYOUT)  # fmt: skip
+            first, base = row[0], ref["base"][index]
+            slot_count = (row[1] + SLOT_ENTRIES - 1) // SLOT_ENTRIES
 
             def fetch_slot(j):
                 rows = pl.ds((base + j) * SLOT_ENTRIES, SLOT_ENTRIES)
@@ -224,59 +215,43 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                 plgpu.copy_gmem_to_smem(ref["iq"].at[rows], smem["iq"], bar)
                 for name in per_row:
                     plgpu.copy_gmem_to_smem(ref[name].at[:, rows], smem[name], bar)
+                entries = pl.ds(first + j * SLOT_ENTRIES, SLOT_ENTRIES)
+                keys = pl.ds(part * PART_KEYS, PART_KEYS)
+                plgpu.copy_gmem_to_smem(ref["teacher"].at[entries, keys], smem["teacher"], bar)
 
             fetch_slot(0)
 
-            def slot_part(j, n, carry):
-                """Part n of slot j: its student and d_zᵀ (kept for d(index_k)), its
-                d(index_q)ᵀ stored."""
-                entries = pl.ds(n * PART_ENTRIES, PART_ENTRIES)
-
-                @pl.when(n == 0)
-                def _():
-                    plgpu.barrier_wait(smem["slot_bar"].at[0])
-
+            def slot_body(j, dik):
+                """Slot j: its student, d_z and d(index_q) stored, d(index_k) += d_zᵀ·index_q
+                (or its KL terms stored)."""
+                plgpu.barrier_wait(smem["slot_bar"].at[0])
                 query_slot, segment, *values = (
-                    plgpu.load(smem[name].at[c, entries], layout=COLUMN_LAYOUT, optimized=False)
+                    plgpu.load(smem[name].at[c], layout=ROW_LAYOUT, optimized=False)
                     for name in per_row for c in range(smem[name].shape[0])
                 )  # fmt: skip
-                seen = visible((query_slot, segment), key_slots, key_segments, tile,
-                               key_axis=0)  # fmt: skip
-                teacher = plgpu.load(ref["teacher"].at[part, (base + j) * SLOT_PARTS + n],
-                                     layout=WGMMA, optimized=False)  # fmt: skip
-                index_rows = smem["iq"].at[entries]
-                z = matmul(tile, (smem["ik"], index_rows.transpose((1, 0))))
-                if terms:
-                    for name, value in zip(TERMS, _kl_terms(index_scale, z, teacher, seen)):
-                        smem[f"{name}_out"].at[entries][...] = value
-                    return carry
-                lse_z, d_kl = values
-                student = normalised(index_scale, z, lse_z, seen, axis=1)
-                d_z = (student - teacher) * broadcast(d_kl * index_scale, tile, 1)
-                d_z_rows = smem["dz"].at[entries]  # [entries, keys]: the last slot's wgmmas read it
-                d_z_rows.transpose((1, 0))[...] = d_z.astype(dtype)
-                plgpu.commit_smem()
-                diq = matmul((index_dim, PART_ENTRIES), (smem["ik"].transpose((1, 0)),
-                                                         d_z_rows.transpose((1, 0))))  # fmt: skip
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging's last store
-                smem["diq_out"][...] = diq
-                plgpu.commit_smem()
-                target = ((part * count + base + j) * SLOT_PARTS + n) * index_dim
-                plgpu.copy_smem_to_gmem(smem["diq_out"], ref["diq"].at[pl.ds(target, index_dim)])
-                return carry
-
-            def slot_body(j, dik):
-                """Slot j: its parts, then d(index_k) += d_zᵀ·index_q over its entries (or
-                the slot's KL terms stored)."""
+                seen = visible((query_slot, segment), key_slots, key_segments, tile)
+                teacher = plgpu.load(smem["teacher"], layout=WGMMA, optimized=False)
+                z = matmul(tile, (smem["iq"], smem["ik"].transpose((1, 0))))
+                rows = pl.ds((part * count + base + j) * SLOT_ENTRIES, SLOT_ENTRIES)
                 if terms:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last slot's stores
-                jax.lax.fori_loop(0, SLOT_PARTS, functools.partial(slot_part, j), 0)
-                if terms:
+                    for name, value in zip(TERMS, _kl_terms(index_scale, z, teacher, seen)):
+                        smem[f"{name}_out"][...] = value
                     plgpu.commit_smem()
-                    rows = pl.ds((part * count + base + j) * SLOT_ENTRIES, SLOT_ENTRIES)
                     for name in TERMS:
                         plgpu.copy_smem_to_gmem(smem[f"{name}_out"], ref[name].at[rows])
                 else:
+                    lse_z, d_kl = values
+                    student = normalised(index_scale, z, lse_z, seen)
+                    teacher = jnp.where(seen, teacher, 0.0)  # empty rows: never-stored tail
+                    d_z = (student - teacher) * broadcast(d_kl * index_scale, tile)
+                    smem["dz"][...] = d_z.astype(dtype)
+                    plgpu.commit_smem()
+                    diq = matmul((SLOT_ENTRIES, index_dim), (smem["dz"], smem["ik"]))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging's last store
+                    smem["diq_out"][...] = diq
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(smem["diq_out"], ref["diq"].at[rows])
                     (dik,) = accumulate((dik,), [(smem["dz"].transpose((1, 0)), smem["iq"])])
                 plgpu.commit_smem()  # the slot's operands are read: the next slot's may land
                 pl.when(j + 1 < slot_count)(lambda: fetch_slot(j + 1))
@@ -308,15 +283,15 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
 
 def _kl_terms(index_scale: float, z, teacher, seen):
-    """A part's `TERMS` per entry (columns; keys along rows): the LSE of z·Di^-½ over the keys
-    it sees (-inf where none), Σ t·(log t - z·Di^-½) where t > 0, Σ t."""
+    """A slot's `TERMS` per entry (rows; keys along the columns): the LSE of z·Di^-½ over the
+    keys it sees (-inf where none), Σ t·(log t - z·Di^-½) where t > 0, Σ t."""
     scaled = jnp.where(seen, z * (index_scale * LOG2E), -jnp.inf)  # base 2, as softmax_block
-    top = scaled.max(axis=0)
+    top = scaled.max(axis=1)
     top = jnp.where(top == -jnp.inf, 0.0, top)
-    total = jnp.exp2(scaled - broadcast(top, scaled.shape, 1)).sum(axis=0)
+    total = jnp.exp2(scaled - broadcast(top, scaled.shape)).sum(axis=1)
     teacher = jnp.where(seen, teacher, 0.0)
-    cross = kl_rows(teacher, z * index_scale, axis=0)
-    return block_lse(top, total), cross, teacher.sum(axis=0)
+    cross = kl_rows(teacher, z * index_scale)
+    return block_lse(top, total), cross, teacher.sum(axis=1)
 
 
 def _scratch(dtype, index_dim: int, key_copies: int, terms: bool, values: int) -> dict:
@@ -328,8 +303,9 @@ def _scratch(dtype, index_dim: int, key_copies: int, terms: bool, values: int) -
     scratch = dict(
         kseg=plgpu.SMEM((PART_KEYS,), jnp.int32), ik=smem(PART_KEYS, index_dim),
         iq=smem(slot, index_dim), slot_data=plgpu.SMEM((2, slot), jnp.int32),
+        teacher=plgpu.SMEM((slot, PART_KEYS), jnp.float32),  # unswizzled fp32 rows
         key_bars=plgpu.Barrier(num_barriers=key_copies),
-        slot_bar=plgpu.Barrier(num_arrivals=2 + bool(values), num_barriers=1),
+        slot_bar=plgpu.Barrier(num_arrivals=3 + bool(values), num_barriers=1),
     )  # fmt: skip
     if values:
         scratch["slot_values"] = plgpu.SMEM((values, slot), jnp.float32)
@@ -337,5 +313,5 @@ def _scratch(dtype, index_dim: int, key_copies: int, terms: bool, values: int) -
         return dict(scratch, **{f"{name}_out": plgpu.SMEM((slot,), jnp.float32)
                                 for name in TERMS})  # fmt: skip
     return dict(scratch, dz=smem(slot, PART_KEYS),
-                diq_out=tiles(jnp.float32, index_dim, PART_ENTRIES),
+                diq_out=tiles(jnp.float32, slot, index_dim),
                 sum_out=tiles(jnp.float32, PART_KEYS, index_dim))  # fmt: skip
