@@ -150,8 +150,11 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
         dik=jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, index_dim), jnp.float32),
     )
     results = _launch(geo, tiling, operands, outputs, interpret)
-    diq = results["diq"].reshape(KEY_PARTS, -1, index_dim).sum(axis=0)
-    return diq.at[slots.row_of_entry].get(mode="fill", fill_value=0.0)[None], results["dik"]
+    # the entries' rows of both key halves, then their sum: one pass over E rows, where summing
+    # the halves first reads and writes every slot row (2.1x E at bench-h200's bound)
+    parts = results["diq"].reshape(KEY_PARTS, -1, index_dim)
+    diq = parts.at[:, slots.row_of_entry].get(mode="fill", fill_value=0.0).sum(axis=0)
+    return diq[None], results["dik"]
 
 
 TERMS = ("lse_z", "cross", "mass")  # the forward's per-entry terms of the KL (`kl_terms`)
