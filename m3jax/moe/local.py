@@ -153,8 +153,11 @@ def grouped_ffn(
     return y if order is None else permute_rows(y, order.position, order.source)
 
 
-def _tiled_ffn(x_tiles, layout, experts: ExpertWeights, activation: Activation) -> jax.Array:
-    """The experts' FFN on tile-aligned rows through the Mosaic GPU kernels.
+def _tiled_ffn(
+    x_tiles, layout, experts: ExpertWeights, activation: Activation, row_weights=None
+) -> jax.Array:
+    """The experts' FFN on tile-aligned rows through the Mosaic GPU kernels; `row_weights` [rows]
+    scale each row's hidden state before the down projection.
 
     The activation is rematerialised in backward: its residuals are then its two inputs. Saved
     as is, its derivative's terms (9 arrays of [rows, F] for the clamped SwiGLU) are written out
@@ -162,21 +165,34 @@ def _tiled_ffn(x_tiles, layout, experts: ExpertWeights, activation: Activation) 
     """
     matmul = functools.partial(mosaic_gpu.tiled_matmul, layout=layout)
     hidden = jax.checkpoint(activation)(matmul(x_tiles, experts.gate), matmul(x_tiles, experts.up))
+    if row_weights is not None:
+        hidden = (hidden * row_weights[:, None]).astype(hidden.dtype)
     return matmul(hidden, experts.down)
 
 
 def tiled_pairs_ffn(
-    x: jax.Array, rows: SortedRows, k: int, experts: ExpertWeights, activation: Activation
+    x: jax.Array,
+    rows: SortedRows,
+    k: int,
+    weights: jax.Array,
+    experts: ExpertWeights,
+    activation: Activation,
 ) -> jax.Array:
-    """[N, D] tokens -> [N·k, D] expert outputs in (token, choice) order, through the kernels.
+    """[N, D] tokens, routing weights [N, k] -> [N·k, D] weighted expert outputs in (token,
+    choice) order, through the kernels.
 
     Tokens go straight into the tile layout and results straight back to pair order: one gather
-    each way instead of two (sorted order is never materialised).
+    each way instead of two (sorted order is never materialised). A row's routing weight scales
+    its hidden state, before the down projection (the same product as scaling its output): the
+    weight's gradient is then ⟨d(hidden), hidden⟩ from what the backward computes anyway, where
+    scaling the output needs the output in the backward, which a rematerialised layer gets by
+    running the down projection again (one of the nine grouped matmuls of a layer's step).
     """
     layout = tile_layout(rows.group_sizes, rows.order.shape[0], mosaic_gpu.BLOCK_M)
     layout = reorder(layout, rows.order, rows.inverse)  # tiles <-> (token, choice) pairs
     x_tiles = expand_tokens(x, layout.source, layout.destination, k)
-    return from_tiles(_tiled_ffn(x_tiles, layout, experts, activation), layout)
+    row_weights = weights.reshape(-1).at[layout.source].get(mode="fill", fill_value=0)
+    return from_tiles(_tiled_ffn(x_tiles, layout, experts, activation, row_weights), layout)
 
 
 def batched_ffn(buffers: jax.Array, experts: ExpertWeights, activation: Activation) -> jax.Array:
@@ -206,11 +222,17 @@ def from_buffers(
     return jnp.where(kept[:, None], y, 0).astype(y_buffers.dtype), kept
 
 
-def combine(y_pairs: jax.Array, weights: jax.Array) -> jax.Array:
-    """[N·k, D] expert outputs in (token, choice) order, weights [N, k] -> Σ_choices, [N, D]."""
-    num_tokens, k = weights.shape
-    y = y_pairs.reshape(num_tokens, k, -1)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+def weighted(y_pairs: jax.Array, weights: jax.Array) -> jax.Array:
+    """[N·k, D] expert outputs in (token, choice) order times their routing weights [N, k]."""
+    scaled = y_pairs.astype(jnp.float32) * weights.reshape(-1, 1)
+    return scaled.astype(y_pairs.dtype)
+
+
+def combine(weighted_pairs: jax.Array, k: int) -> jax.Array:
+    """[N·k, D] weighted expert outputs in (token, choice) order -> their sum over each token's
+    k choices [N, D] (an fp32 sum, in the outputs' dtype)."""
+    per_token = weighted_pairs.reshape(-1, k, weighted_pairs.shape[-1])
+    return per_token.sum(1, dtype=jnp.float32).astype(weighted_pairs.dtype)
 
 
 def dense_experts(
@@ -240,8 +262,8 @@ class ExpertFFN(NamedTuple):
     # ([R, D] rows, [E] sizes, their order into expert order or None if sorted) -> [R, D]
     grouped: Callable[[jax.Array, jax.Array, RowOrder | None], jax.Array]
     batched: Callable[[jax.Array], jax.Array]  # [E, C, D] -> [E, C, D]
-    # dropless straight from tokens: ([N, D], rows, k) -> [N·k, D] in (token, choice) order;
-    # None: through `grouped` on sorted rows (`pairs_ffn`).
+    # dropless straight from tokens: ([N, D], rows, k, weights [N, k]) -> [N·k, D] weighted, in
+    # (token, choice) order; None: through `grouped` on sorted rows (`pairs_ffn`).
     pairs: Callable[[jax.Array, SortedRows, int], jax.Array] | None = None
 
 
@@ -284,23 +306,27 @@ def sorted_experts(
         raise ValueError(f"{dispatch=} is not 'dropless' or 'capacity'")
     rows = sort_rows(chosen, num_experts)
     if dispatch == "dropless":
-        return combine(pairs_ffn(x, rows, k, ffn), weights), jnp.zeros((), jnp.int32)
+        return combine(pairs_ffn(x, rows, k, ffn, weights), k), jnp.zeros((), jnp.int32)
     x_sorted = expand_tokens(x, rows.order, rows.inverse, k)  # sorted row i: token order[i] // k
     size = capacity(num_tokens, k, num_experts, capacity_factor)
     y_buffers = ffn.batched(to_buffers(x_sorted, rows.group_sizes, size))
     y_sorted, kept = from_buffers(y_buffers, rows, size)
     y_pairs = permute_rows(y_sorted, rows.inverse, rows.order)  # back to (token, choice) order
-    return combine(y_pairs, weights), num_tokens * k - kept.sum(dtype=jnp.int32)
+    return combine(weighted(y_pairs, weights), k), num_tokens * k - kept.sum(dtype=jnp.int32)
 
 
-def pairs_ffn(x: jax.Array, rows: SortedRows, k: int, ffn: ExpertFFN) -> jax.Array:
-    """[N, D] tokens -> [N·k, D]: each (token, choice) pair through its expert, in pair order.
+def pairs_ffn(
+    x: jax.Array, rows: SortedRows, k: int, ffn: ExpertFFN, weights: jax.Array
+) -> jax.Array:
+    """[N, D] tokens, routing weights [N, k] -> [N·k, D]: each (token, choice) pair through its
+    expert times its weight, in pair order.
 
     `rows` may hold fewer sorted rows than pairs (the first ones, `group_sizes` covering only
     them): pairs whose sorted place lies past them come out zero.
     """
     if ffn.pairs is not None:
-        return ffn.pairs(x, rows, k)
+        return ffn.pairs(x, rows, k, weights)
     x_sorted = expand_tokens(x, rows.order, rows.inverse, k)  # sorted row i: token order[i] // k
     y_sorted = ffn.grouped(x_sorted, rows.group_sizes)
-    return permute_rows(y_sorted, rows.inverse, rows.order)  # back to (token, choice) order
+    y_pairs = permute_rows(y_sorted, rows.inverse, rows.order)  # back to (token, choice) order
+    return weighted(y_pairs, weights)

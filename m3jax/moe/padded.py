@@ -200,7 +200,7 @@ def _round_trip(
         rows.group_sizes[:local_experts],
     )
     partial_sums = combine(
-        pairs_ffn(received, rows, k, ffn), received_weights
+        pairs_ffn(received, rows, k, ffn, received_weights), k
     )  # [Ep·blocks.tokens, D]
     returned = exchange(partial_sums)
     per_visit = permute_rows(returned, visit_slot, slot_visit).reshape(num_tokens, parts, -1)
