@@ -18,7 +18,10 @@ RENAMED_TYPES = {
     "mlp_layer_types": {"sparse": "moe"},
 }
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "save_attention_dots")
+REMAT_POLICIES = (
+    "none", "full", "save_dots", "save_attention", "save_attention_dots",
+    "save_attention_dots_experts",
+)  # fmt: skip
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 MOE_DISPATCH_MODES = ("dropless", "capacity", "dense")  # m3jax/moe/local.py
 GROUPED_MATMUL_IMPLS = (

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from m3jax.moe.local import EXPERT_PROJECTIONS
 from pallas_kernels.msa.reference import SAVED_BY_REMAT
 
 REMAT_POLICIES = {
@@ -26,6 +27,12 @@ REMAT_POLICIES = {
     "save_attention_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT),
+    ),
+    # and the routed experts' gate and up products (grouped matmuls, which no dot policy sees):
+    # the backward runs one of a layer's expert products again instead of three
+    "save_attention_dots_experts": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT, EXPERT_PROJECTIONS),
     ),
 }
 
@@ -57,12 +64,12 @@ def scan_layers(
 ) -> tuple[jax.Array, Any]:
     """Runs `step(layer, x) -> (x, per-layer output)` over the stack; outputs stacked over layers.
 
-    remat: "none" | "full" | "save_dots" | "save_attention" | "save_attention_dots" (what the
-    backward pass recomputes per layer). projection_dtype: the dtype every layer casts its
-    `*_proj` weights to at use (the activations'; None: no cast here): they are cast once for
-    the whole stack before the scan, so the backward's recompute does not cast them again and
-    the scan stacks their gradients in that dtype (the values are the same: each layer's
-    gradient was rounded to it by the cast in the layer): 8.7 ms of a bench-h200 step on an
+    remat: one of REMAT_POLICIES' names, or "none" (what the backward pass recomputes per
+    layer). projection_dtype: the dtype every layer casts its `*_proj` weights to at use (the
+    activations'; None: no cast here): they are cast once for the whole stack before the scan,
+    so the backward's recompute does not cast them again and the scan stacks their gradients in
+    that dtype (the values are the same: each layer's gradient was rounded to it by the cast in
+    the layer): 8.7 ms of a bench-h200 step on an
     H200 (benchmarks/RESULTS.md).
     """
     graphdef, state = nnx.split(layers)

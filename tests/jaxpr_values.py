@@ -1,5 +1,5 @@
 """What a program holds, read from its jaxpr (no compile, no allocation): the sizes of its values,
-for tests that bound its memory, and its Pallas kernel launches."""
+for tests that bound its memory, its Pallas kernel launches and its primitives."""
 
 import collections
 
@@ -24,12 +24,23 @@ def value_sizes(jaxpr, path: str = "") -> dict[str, tuple[int, str]]:
 
 def kernel_calls(jaxpr: jcore.Jaxpr) -> collections.Counter:
     """How many times each Pallas kernel (by name) appears in a program, sub-programs included."""
+    return _calls(jaxpr, lambda eqn: eqn.params["name"] if eqn.primitive.name == "pallas_call"
+                  else None)  # fmt: skip
+
+
+def primitive_calls(jaxpr: jcore.Jaxpr) -> collections.Counter:
+    """How many times each primitive (by name) appears in a program, sub-programs included."""
+    return _calls(jaxpr, lambda eqn: eqn.primitive.name)
+
+
+def _calls(jaxpr: jcore.Jaxpr, key) -> collections.Counter:
     counts = collections.Counter()
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            counts[eqn.params["name"]] += 1
+        if (name := key(eqn)) is not None:
+            counts[name] += 1
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
                 if isinstance(sub, jcore.ClosedJaxpr | jcore.Jaxpr):
-                    counts += kernel_calls(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub)
+                    inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+                    counts += _calls(inner, key)
     return counts

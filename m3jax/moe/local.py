@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import target
 from pallas_kernels.moe import megablox, mosaic_gpu
@@ -43,6 +44,9 @@ Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden
 
 
 KERNELS = {"mosaic_gpu": mosaic_gpu, "megablox": megablox}  # moe.grouped_matmul -> its module
+# the routed experts' gate and up products by name, for the remat policies that keep them
+# (`model.remat: save_attention_dots_experts`, m3jax/stacking.py)
+EXPERT_PROJECTIONS = "moe_gate_up"
 
 
 class ExpertWeights(NamedTuple):
@@ -149,7 +153,7 @@ def grouped_ffn(
         x = permute_rows(x, order.source, order.position)
     product = megablox.grouped_matmul if impl == "megablox" else grouped_matmul
     matmul = functools.partial(product, group_sizes=group_sizes)
-    y = matmul(activation(matmul(x, experts.gate), matmul(x, experts.up)), experts.down)
+    y = matmul(activation(*_gate_up(matmul, x, experts)), experts.down)
     return y if order is None else permute_rows(y, order.position, order.source)
 
 
@@ -164,10 +168,16 @@ def _tiled_ffn(
     wherever XLA can't fuse them into the backward, as inside the padded exchange's `lax.cond`.
     """
     matmul = functools.partial(mosaic_gpu.tiled_matmul, layout=layout)
-    hidden = jax.checkpoint(activation)(matmul(x_tiles, experts.gate), matmul(x_tiles, experts.up))
+    hidden = jax.checkpoint(activation)(*_gate_up(matmul, x_tiles, experts))
     if row_weights is not None:
         hidden = (hidden * row_weights[:, None]).astype(hidden.dtype)
     return matmul(hidden, experts.down)
+
+
+def _gate_up(matmul, x, experts: ExpertWeights) -> tuple[jax.Array, jax.Array]:
+    """The experts' gate and up products of rows x, named `EXPERT_PROJECTIONS`."""
+    return tuple(checkpoint_name(matmul(x, w), EXPERT_PROJECTIONS)
+                 for w in (experts.gate, experts.up))  # fmt: skip
 
 
 def tiled_pairs_ffn(

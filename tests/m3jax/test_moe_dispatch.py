@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxpr_values import primitive_calls
 from moe_cases import assert_trees_close, inputs, moe_config, random_state, run, with_moe
+from tiny import tiny_run
 
+from m3jax.model import functional
 from m3jax.moe.local import ExpertWeights, RowOrder, capacity, grouped_ffn, sort_rows
 
 
@@ -151,3 +154,32 @@ def test_grouped_ffn_in_row_order_equals_sorting_first(impl):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
+
+
+def test_save_attention_dots_experts_keeps_the_gate_and_up_products_for_the_backward():
+    """`model.remat=save_attention_dots_experts`: the backward runs the MoE layer's gate and up
+    grouped matmuls no second time (`save_attention_dots` runs them again), with the gradients of
+    no rematerialisation."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 272, (2, 32)), jnp.int32)
+    positions, segments = jnp.tile(jnp.arange(32), (2, 1)), jnp.ones((2, 32), jnp.int32)
+
+    def gradient(remat):
+        model = functional(tiny_run(model={"remat": remat}).model)
+        params, buffers = model.init(0)
+
+        def loss(params):
+            logits, _ = model.apply(params, buffers, tokens, positions, segments)
+            return jnp.mean(jax.nn.logsumexp(logits, -1))
+
+        return jax.grad(loss), params
+
+    counts = {}
+    for remat in ("save_attention_dots", "save_attention_dots_experts", "none"):
+        grad, params = gradient(remat)
+        counts[remat] = primitive_calls(jax.make_jaxpr(grad)(params).jaxpr)["ragged_dot_general"]
+        if remat == "save_attention_dots_experts":
+            kept = grad(params)
+    assert counts["save_attention_dots"] - counts["save_attention_dots_experts"] == 2
+    assert counts["save_attention_dots_experts"] > counts["none"]  # the rest is recomputed
+    for g, e in zip(jax.tree.leaves(kept), jax.tree.leaves(grad(params)), strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-6)
