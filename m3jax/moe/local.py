@@ -274,7 +274,7 @@ class ExpertFFN(NamedTuple):
     batched: Callable[[jax.Array], jax.Array]  # [E, C, D] -> [E, C, D]
     # dropless straight from tokens: ([N, D], rows, k, weights [N, k]) -> [N·k, D] weighted, in
     # (token, choice) order; None: through `grouped` on sorted rows (`pairs_ffn`).
-    pairs: Callable[[jax.Array, SortedRows, int], jax.Array] | None = None
+    pairs: Callable[[jax.Array, SortedRows, int, jax.Array], jax.Array] | None = None
 
 
 def local_ffn(experts: ExpertWeights, activation: Activation, impl: str = "xla") -> ExpertFFN:

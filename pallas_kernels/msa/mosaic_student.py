@@ -11,9 +11,10 @@ keys], its probabilities exp(z·Di^-½ - LSE_z), d_z = (student - teacher)·d_kl
 d(index_q) = d_z·index_k and d(index_k) += d_zᵀ·index_q are wgmmas of M = SLOT_ENTRIES (entries
 along the rows: the teacher loads as stored; keys along the rows, it would need a transposed
 load, which Mosaic GPU lowers for no fp32 WGMMA tile, and XLA laid the teacher out per key half
-and slot part first: 28 GB written a bench-h200 step at two rows, by XLA:GPU's plan). The kernel
-before these recomputed the teacher (Sᵀ = K·Qᵀ and Pᵀ of every head, their group mean on
-wgmma): 32.6 ms of a bench-h200 step on the H200 (benchmarks/RESULTS.md, 2026-12-03).
+and slot part first: 28 GB written a bench-h200 step at two rows, by XLA:GPU's plan). Before the
+KL pass stored the teacher, this kernel recomputed it (Sᵀ = K·Qᵀ and Pᵀ of every head, their
+group mean on wgmma): 32.6 ms of a bench-h200 step on the H200 (benchmarks/RESULTS.md,
+2026-12-03).
 
 The same kernel takes the forward's KL with `Config.kl_kernel = "slots"` (`kl_terms`): per slot
 and entry the LSE of z·Di^-½ over the half's keys, Σ t·(log t - z·Di^-½) and Σ t, one value per
