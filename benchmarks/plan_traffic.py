@@ -25,13 +25,18 @@ import os
 import re
 from typing import NamedTuple
 
-ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-              "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-              "f64": 8}  # fmt: skip
-SHAPE = re.compile(r"\b(" + "|".join(ITEM_BYTES) + r")\[([0-9,]*)\]")
-INSTRUCTION = re.compile(r"^(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([a-z][a-z0-9\-]*)\(")
+from pretrain.hlo_collectives import (
+    COMPUTATION,
+    INSTRUCTION,
+    OP_NAME,
+    TRIP_COUNT,
+    array_bytes,
+    branches,
+)
+
 WRITES_NOTHING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
                   "opt-barrier", "partition-id", "replica-id", "async-done"}  # fmt: skip
+BRANCHES = {"false": 0, "true": 1}  # jax's branch index of a `lax.cond`'s functions
 
 
 class Write(NamedTuple):
@@ -45,39 +50,24 @@ class Write(NamedTuple):
     op_name: str  # the JAX op it came from (its metadata)
 
 
-def shape_bytes(text: str) -> int:
-    """Bytes of every array shape in `text` (a tuple's elements summed)."""
-    total = 0
-    for dtype, dims in SHAPE.findall(text):
-        count = 1
-        for dim in filter(None, dims.split(",")):
-            count *= int(dim)
-        total += count * ITEM_BYTES[dtype]
-    return total
-
-
 def computations(path: str) -> tuple[dict[str, list[str]], str]:
     """The module's computations by name (their instruction lines) and the entry's name."""
     bodies, current, entry = {}, None, None
     with open(path) as f:
         for line in f:
-            header = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
-            if header:
-                current = header.group(2)
-                bodies[current] = []
-                entry = current if header.group(1) else entry
-            elif line.startswith("}"):
-                current = None
-            elif current and line.strip().startswith(("%", "ROOT %")):
-                bodies[current].append(line.strip())
+            if header := COMPUTATION.match(line):
+                current = bodies.setdefault(header.group(1), [])
+                entry = header.group(1) if line.startswith("ENTRY") else entry
+            elif INSTRUCTION.match(line) and current is not None:
+                current.append(line.strip())
     if entry is None:
         raise ValueError(f"{path}: no ENTRY computation")
     return bodies, entry
 
 
 def _called(line: str, key: str) -> str | None:
-    """The computation `line` names after `key` (a regex of what precedes its %name)."""
-    found = re.search(key + r"%([^\s,}]+)", line)
+    """The computation `line` names after `key=` (body, to_apply, calls)."""
+    found = re.search(rf"\b{key}=%([\w.\-]+)", line)
     return found.group(1) if found else None
 
 
@@ -90,48 +80,44 @@ def _update_bytes(body: list[str]) -> int | None:
     for line in body:
         parsed = INSTRUCTION.match(line)
         if parsed and parsed.group(1) == update.group(1):
-            return shape_bytes(parsed.group(2))
+            return array_bytes(parsed.group(2))
     return None
 
 
 def writes(path: str, branch: str = "false") -> list[Write]:
     """Every counted instruction's bytes in one run of the module in `path` (module docstring)."""
     bodies, entry = computations(path)
-    branch_key = {"false": r"(?:false_computation=|branch_computations=\{)",
-                  "true": r"(?:true_computation=|branch_computations=\{%[^\s,}]+, )"}[branch]
     found, pending = [], [(entry, 1)]
     while pending:
         name, runs = pending.pop()
         for line in bodies[name]:
-            parsed = INSTRUCTION.match(line)
-            if not parsed:
-                continue
-            label, shape, kind = parsed.groups()
+            label, shape, kind, _ = INSTRUCTION.match(line).groups()
             if kind == "while":
-                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-                pending.append((_called(line, "body="), runs * (int(trips.group(1)) if trips else 1)))
+                trips = TRIP_COUNT.search(line)
+                pending.append((_called(line, "body"), runs * (int(trips[1]) if trips else 1)))
                 continue
-            if kind in ("conditional", "call"):
-                key = branch_key if kind == "conditional" else "to_apply="
-                pending.append((_called(line, key), runs))
+            if kind == "conditional":
+                pending.append((branches(line)[BRANCHES[branch]], runs))
+                continue
+            if kind == "call":
+                pending.append((_called(line, "to_apply"), runs))
                 continue
             if kind in WRITES_NOTHING:
                 continue
-            size = shape_bytes(shape)
             if kind == "async-start":  # an asynchronous fusion: count the fusion it wraps
-                inner = bodies.get(_called(line, "calls="), [])
+                inner = bodies.get(_called(line, "calls"), [])
                 line = next((x for x in inner if " fusion(" in x), None)
                 if line is None:
                     continue
-                _, shape, kind = INSTRUCTION.match(line).groups()
-                size = shape_bytes(shape)
+                _, shape, kind, _ = INSTRUCTION.match(line).groups()
+            size = array_bytes(shape)
             if kind == "fusion":
-                fused = bodies.get(_called(line, "calls="), [])
+                fused = bodies.get(_called(line, "calls"), [])
                 if any(" custom-call(" in x for x in fused):
                     kind = "kernel"
                 update = _update_bytes(fused)
                 size = size if update is None else update
-            op_name = re.search(r'op_name="([^"]*)"', line)
+            op_name = OP_NAME.search(line)
             found.append(Write(size * runs, runs, kind, label, shape,
                                op_name.group(1) if op_name else ""))  # fmt: skip
     return found
@@ -139,7 +125,7 @@ def writes(path: str, branch: str = "false") -> list[Write]:
 
 def optimized_module(dump: str) -> str:
     """The largest optimized-HLO text file in an XLA dump directory (the step's module)."""
-    paths = [p for p in glob.glob(os.path.join(dump, "*after_optimizations.txt"))]
+    paths = glob.glob(os.path.join(dump, "*after_optimizations.txt"))
     if not paths:
         raise FileNotFoundError(f"no *after_optimizations.txt in {dump} (XLA_FLAGS: "
                                 "--xla_dump_to=DIR --xla_dump_hlo_as_text)")  # fmt: skip

@@ -69,8 +69,7 @@ def scan_layers(
     activations'; None: no cast here): they are cast once for the whole stack before the scan,
     so the backward's recompute does not cast them again and the scan stacks their gradients in
     that dtype (the values are the same: each layer's gradient was rounded to it by the cast in
-    the layer): 8.7 ms of a bench-h200 step on an
-    H200 (benchmarks/RESULTS.md).
+    the layer): 8.7 ms of a bench-h200 step on an H200 (benchmarks/RESULTS.md).
     """
     graphdef, state = nnx.split(layers)
     if projection_dtype is not None:

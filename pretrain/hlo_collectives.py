@@ -24,8 +24,9 @@ COLLECTIVES = (
 )
 _OPERAND_SIDE = ("reduce-scatter",)
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+# the HLO text's pieces, also read by benchmarks/plan_traffic.py
+COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
 _NAME = re.compile(r"%([\w.\-]+)")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 _CALLED = re.compile(r"\b(?:body|to_apply|calls)=%([\w.\-]+)")
@@ -34,8 +35,8 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%([\w.
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+OP_NAME = re.compile(r'op_name="([^"]*)"')
+TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
@@ -72,16 +73,16 @@ def _parse(hlo_text: str):
     computations, entry, current, sizes = {}, None, None, {}
     started = {}  # async collectives' start -> operand bytes (None: over size-1 axes)
     for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
+        header = COMPUTATION.match(line)
         if header:
             current = computations.setdefault(header.group(1), [])
             entry = header.group(1) if line.startswith("ENTRY") else entry
             continue
-        instruction = _INSTRUCTION.match(line)
+        instruction = INSTRUCTION.match(line)
         if current is None or not instruction:
             continue
         name, result, op, rest = instruction.groups()
-        sizes[name] = _array_bytes(result)
+        sizes[name] = array_bytes(result)
         operands = _NAME.findall(rest.split(")", 1)[0])
         operand_bytes = sum(sizes.get(operand, 0) for operand in operands)
         if op.endswith("-start") and op.removesuffix("-start") in COLLECTIVES:
@@ -99,11 +100,11 @@ def _parse(hlo_text: str):
             size = operand_bytes
         else:
             size = sizes[name]
-        trips = _TRIP_COUNT.search(line)
-        where = _OP_NAME.search(line)
+        trips = TRIP_COUNT.search(line)
+        where = OP_NAME.search(line)
         label = f"{result.split('{')[0]}  {where[1][-100:] if where else ''}"
         trips = int(trips[1]) if trips else 1
-        current.append((op, size, label, _CALLED.findall(line), _branches(line), trips))
+        current.append((op, size, label, _CALLED.findall(line), branches(line), trips))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
@@ -121,16 +122,19 @@ def _group_size(line: str) -> int | None:
     return None
 
 
-def _branches(line: str) -> list[str]:
+def branches(line: str) -> list[str]:
+    """A conditional's branch computations in branch-index order (a predicate's: false, true;
+    jax's `lax.cond` puts its false function at index 0); [] for any other instruction."""
     found = _BRANCHES.search(line)
     if not found:
         return []
     if found.group(1) is not None:
         return [name.strip().lstrip("%") for name in found.group(1).split(",")]
-    return [found.group(2), found.group(3)]
+    return [found.group(3), found.group(2)]
 
 
-def _array_bytes(types: str) -> int:
+def array_bytes(types: str) -> int:
+    """Bytes of every array type in `types` (a tuple's elements summed)."""
     total = 0
     for dtype, dims in _ARRAY.findall(types):
         itemsize = 1 if dtype == "pred" else _itemsize(dtype)

@@ -225,11 +225,11 @@ def copy_keys(ref, smem, index, part, block_operands) -> tuple:
     return row
 
 
-def key_data(smem, row, part, num_operands: int, layout=None) -> tuple[jax.Array, jax.Array]:
+def key_data(smem, row, part, num_operands: int,
+             layout=ROW_LAYOUT) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Wait for `copy_keys`' copies -> the key half's global slots (NOT_VISIBLE before the
-    block's row) and segment ids, one per tile row (`layout` ROW_LAYOUT; COLUMN_LAYOUT: one per
-    tile column, for tiles with the keys along their columns)."""
-    layout = layout or ROW_LAYOUT
+    block's row) and segment ids, one per tile row (COLUMN_LAYOUT: one per tile column, for
+    tiles with the keys along their columns)."""
     key_slot, row_start = row[4], row[5]
     for bar in range(num_operands):
         plgpu.barrier_wait(smem["key_bars"].at[bar])

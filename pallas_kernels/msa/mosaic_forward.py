@@ -399,9 +399,9 @@ def kl_pass(
     """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
     an entry) and, `with_teacher`, the teacher over the block's keys [E + TEACHER_TAIL, block]
     fp32 (the group's mean probability under the global LSEs: the student's gradients start
-    from it, mosaic_student.py; else None; the tail rows are never written), over the same segments and chunks as `forward`, given the
-    global LSEs per row `lses` (`row_values` of lse and lse_z); the other operands as
-    `forward`'s. Without a `student` the pass computes the teacher alone (KL None), for the
+    from it, mosaic_student.py; else None; the tail rows are never written), over the same
+    segments and chunks as `forward`, given the global LSEs per row `lses` (`row_values` of lse
+    and lse_z); the other operands as `forward`'s. Without a `student` the pass computes the teacher alone (KL None), for the
     student's kernel to take the KL one row per entry (`mosaic_student.kl_terms`)."""
     operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, lses=lses,
                     average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
