@@ -14,8 +14,10 @@ training; a step's time is the interval between its completion and the previous 
 2. `--saves` times: the pipeline drained (train.py reads the newest step's loss before a save),
    then `session.save(step, loader)` as train.py calls it (the finiteness check, then Orbax's
    save, which copies the state to the host before it returns and writes files in background
-   threads), then steps until `Checkpoints.poll` says the save is complete, and the pipeline
-   drained again. The save's cost is what that stretch took beyond its steps':
+   threads; with `checkpoint.copy_in_step=true` the next step copies the state it starts from
+   to the host and Orbax saves that copy), then steps until `Checkpoints.poll` says the save is
+   complete, and the pipeline drained again. The save's cost is what that stretch took beyond
+   its steps':
 
        cost = (drained after the save - drained before it) - steps meanwhile x T
 
@@ -58,11 +60,12 @@ class Pipeline:
         self._in_flight = None
         self.last_done = time.perf_counter()  # when the last step waited for was complete
 
-    def step(self) -> float | None:
-        """Dispatches a step, then waits for the one before it; returns that one's time (since
-        the completion before it), or None if none was in flight."""
+    def step(self, copy_state: bool = False) -> float | None:
+        """Dispatches a step (`copy_state`: one that also copies its state to the host), then
+        waits for the one before it; returns that one's time (since the completion before it),
+        or None if none was in flight."""
         previous = self._in_flight
-        self._in_flight = self._session.step_on_devices(self._batch, self._mode)
+        self._in_flight = self._session.step_on_devices(self._batch, self._mode, copy_state)
         return None if previous is None else self._wait(previous)
 
     def drain(self) -> float | None:
@@ -87,7 +90,12 @@ def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, st
     in the module doc."""
     pipeline.drain()
     start = pipeline.last_done
-    session.save(step, loader)
+    if session.run.checkpoint.copy_in_step:  # as train.py: the state from the next step's copy
+        due = session.prepare_save(step, loader)
+        pipeline.step(copy_state=True)  # counted among the steps meanwhile when next waited for
+        session.start_save(due, session.take_state_copy())
+    else:
+        session.save(step, loader)
     blocked = time.perf_counter() - start
     during = []
     while session.run.checkpoint.async_save and session.checkpoints.poll() is None:

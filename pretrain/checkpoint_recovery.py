@@ -73,9 +73,11 @@ class SaveRetry:
         self._failed_step: int | None = None  # a failure not yet followed by a complete save
         self._retry_due = False
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, start: Callable[[], None] | None = None) -> None:
+        """Starts the save of `step`: `start` (the state copied by the step after it) or
+        `save_state`'s."""
         self._retry_due = False
-        self._guard(lambda: self._save_state(step))
+        self._guard(start or (lambda: self._save_state(step)))
 
     def poll(self, step: int) -> None:
         """Each step: notices a background save that has failed; retries once it may."""

@@ -7,6 +7,8 @@ exactly the next batch. A state holding NaN or infinity is never saved.
 """
 
 import collections
+import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -40,6 +42,16 @@ class DataPositionError(ValueError):
     def __init__(self, step: int, cause: Exception):
         super().__init__(str(cause))
         self.step, self.cause = step, cause
+
+
+@dataclasses.dataclass(frozen=True)
+class DueSave:
+    """A save whose state is still to come: the step's data position and progress, taken when
+    its state was checked (`TrainingSession.prepare_save`)."""
+
+    step: int
+    data: dict
+    progress: dict
 
 
 class TrainingSession:
@@ -78,6 +90,7 @@ class TrainingSession:
         self.processes_per_batch = process_share(run)[1]  # blocks a global batch is loaded in
         self._use_schedule(horizon)
         self.state = None
+        self.state_copy = None  # the host copy of its starting state a `copy_state` step made
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
         self.faults = FaultMonitor(run, report)  # skipped steps (all sessions), loss spikes
         self.modality_tokens = collections.Counter()  # this session's tokens by modality
@@ -129,12 +142,14 @@ class TrainingSession:
     def msa_phase(self) -> str | None:
         return msa_phase(self.run.model, self.tokens_seen)
 
-    def step(self, batch: Batch, mode: ForwardMode) -> dict:
+    def step(self, batch: Batch, mode: ForwardMode, copy_state: bool = False) -> dict:
         """One optimizer step on a host batch; returns its metrics as (unfetched) device arrays,
-        plus the batch's training FLOPs per token (`model_flops_per_token`, a host float)."""
+        plus the batch's training FLOPs per token (`model_flops_per_token`, a host float).
+        copy_state: the step also copies the state it starts from to host memory
+        (`state_copy`), for a save that overlaps the step (`checkpoint.copy_in_step`)."""
         if batch.modality is not None:
             self.modality_tokens.update(modality_counts(batch))
-        metrics = self.step_on_devices(self.put_batch(batch), mode)
+        metrics = self.step_on_devices(self.put_batch(batch), mode, copy_state)
         # counted while the (asynchronously dispatched) step runs
         return {**metrics, "model_flops_per_token": self.model_flops.per_token(batch, mode)}
 
@@ -149,10 +164,13 @@ class TrainingSession:
 
         return jax.tree.map(global_array, batch)
 
-    def step_on_devices(self, batch: Batch, mode: ForwardMode) -> dict:
+    def step_on_devices(self, batch: Batch, mode: ForwardMode, copy_state: bool = False) -> dict:
         """One optimizer step on a batch already on the devices (`put_batch`); modality counts are
         left to `step`. benchmarks/bench_input_stall.py times the step alone through this."""
-        self.state, metrics = self._step(self.state, batch, mode)
+        if copy_state:
+            self.state, metrics, self.state_copy = self._copying_step(self.state, batch, mode)
+        else:
+            self.state, metrics = self._step(self.state, batch, mode)
         self.tokens_seen += batch.tokens.size  # global B·S
         if mode.indexer_loss:
             metrics["msa_warmup"] = float(mode.msa_dense)  # 1 while sparse layers attend densely
@@ -162,26 +180,52 @@ class TrainingSession:
         """Starts saving the state at `step` with the loader's position (or `data_state`, the
         position before an interrupted batch), every process's (a collective: all call it at the
         same step). Raises NonFiniteStateError instead of saving NaN."""
+        self.start_save(self.prepare_save(step, loader, data_state), self.state)
+
+    def prepare_save(self, step: int, loader, data_state: dict | None = None) -> DueSave:
+        """What a save of the state at `step` writes besides the state, taken now (arguments and
+        NonFiniteStateError as `save`'s); `start_save` writes it with the state, now or from the
+        copy the next step makes (`step(copy_state=True)`)."""
         check_finite(self.state, step)
-        saved = {
+        progressed = {
             **progress(self.run, self.tokens_seen),
             "skipped_steps": self.faults.skipped_steps,
             "schedule_steps": self.schedule_steps,
         }
         position = loader.state() if data_state is None else data_state
-        self.checkpoints.save(step, self.state, data_item(gather(position)), saved)
+        return DueSave(step, data_item(gather(position)), progressed)
+
+    def start_save(self, due: DueSave, state: dict) -> None:
+        """Starts saving `state` as `due` describes it (in the background when async)."""
+        self.checkpoints.save(due.step, state, due.data, due.progress)
+
+    def take_state_copy(self) -> dict:
+        """The host copy of the state the last `copy_state` step made (dropped here: the save
+        holds it until written)."""
+        copy, self.state_copy = self.state_copy, None
+        if copy is None:
+            raise RuntimeError("no step has copied the state since the last take_state_copy")
+        return copy
 
     def _use_schedule(self, steps: int) -> None:
         """Builds the optimizer and the jitted step for an LR schedule decaying over `steps`."""
         self.schedule_steps = steps
         run, model = self.run, self.model
         self.optimizer = make_optimizer(run.optimizer, steps, model.param_axes)
-        self._step = jax.jit(
-            make_train_step(model, self.optimizer, learning_rate(run.optimizer, steps), run),
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, NamedSharding(self.mesh, PartitionSpec())),
-            static_argnums=2,
+        schedule = learning_rate(run.optimizer, steps)
+        train_step = make_train_step(model, self.optimizer, schedule, run)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        jitted = functools.partial(
+            jax.jit, in_shardings=(self.state_shardings, self.batch_sharding), static_argnums=2,
             donate_argnums=0,
+        )
+        self._step = jitted(train_step, out_shardings=(self.state_shardings, replicated))
+        # compiled at its first use: the state it starts from goes to pinned host memory inside
+        # the step, whose device-to-host copies XLA issues asynchronously beside its compute
+        on_host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self.state_shardings)
+        self._copying_step = jitted(
+            _also_returning_its_input(train_step),
+            out_shardings=(self.state_shardings, replicated, on_host),
         )
 
     def _state_shardings(self) -> dict:
@@ -207,6 +251,16 @@ def state_shardings(model: Functional, optimizer, abstract_state: dict, mesh) ->
         "buffers": sharding.tree_shardings(model.buffer_axes, abstract_state["buffers"], mesh),
         "opt_state": opt_state,
     }
+
+
+def _also_returning_its_input(train_step: Callable) -> Callable:
+    """train_step(state, batch, mode) -> (state, metrics) as one that also returns the state it
+    was given (placed by the jit's out_shardings)."""
+
+    def step(state, batch, mode):
+        return (*train_step(state, batch, mode), state)
+
+    return step
 
 
 def progress(run: RunConfig, tokens_seen: int) -> dict:

@@ -140,6 +140,7 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
     pending, window_start, untimed = [], time.perf_counter(), 0
     step = saved = start
     faults, position, data_error = session.faults, None, None
+    due = None  # a save prepared at the last step, whose state the next step copies
     primary = is_primary()
     bar = tqdm(total=total, initial=start, desc="train", unit="step", mininterval=1.0,
                disable=not (run.logging.progress_bar and primary), dynamic_ncols=True)  # fmt: skip
@@ -155,8 +156,13 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
             batch, position, data_error = _agreed_batch(stop, loader)
             if batch is None:
                 break
-            metrics = session.step(batch, session.forward_mode(step + 1))
+            mode = session.forward_mode(step + 1)
+            metrics = session.step(batch, mode, copy_state=due is not None)
             step += 1
+            if due is not None:  # the last step's save, from the copy this step made
+                copied, saved = session.take_state_copy(), due.step
+                saver.save(due.step, lambda: session.start_save(due, copied))
+                due = None
             faults.observe(step, metrics, loader.provenance())
             pending.append(metrics)
             if step == start + 1:  # compilation: keep its metrics, leave it out of throughput
@@ -178,8 +184,11 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
                 window_start += _evaluate(evaluator, writer, write, step)  # not in throughput
             if step % run.checkpoint.every_steps == 0 or step == total:
                 faults.flush()
-                saver.save(step)
-                saved = step
+                if run.checkpoint.copy_in_step and step < total:
+                    due = session.prepare_save(step, loader, position)
+                else:
+                    saver.save(step)
+                    saved = step
             saver.poll(step)
             bar.update(1)
     faults.flush()

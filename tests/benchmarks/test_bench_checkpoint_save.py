@@ -61,7 +61,7 @@ def test_cost_is_the_saves_stretch_beyond_its_steps_time(monkeypatch):
 def test_the_pipeline_dispatches_each_step_before_waiting_for_the_one_before(monkeypatch):
     events = []
 
-    def step_on_devices(batch, mode):
+    def step_on_devices(batch, mode, copy_state):
         events.append(("dispatch", len(events)))
         return len(events) - 1
 
@@ -76,9 +76,11 @@ def test_the_pipeline_dispatches_each_step_before_waiting_for_the_one_before(mon
 
 
 @pytest.mark.slow  # ≈15 s on 2 cores per case, mostly compiling the tiny step
-@pytest.mark.parametrize("async_save", [True, False])
-def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
-    run = tiny_run(checkpoint={"async_save": async_save})
+@pytest.mark.parametrize("async_save, copy_in_step", [(True, False), (False, False), (True, True)])
+def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save, copy_in_step):
+    """With copy_in_step the step after each save's start copies the state (counted among the
+    steps meanwhile)."""
+    run = tiny_run(checkpoint={"async_save": async_save, "copy_in_step": copy_in_step})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(to_mapping(run)))
     directory = tmp_path / "checkpoints"
@@ -90,5 +92,7 @@ def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save):
         assert save["complete_s"] >= save["blocked_s"] > 0
         if not async_save:  # a synchronous save is all blocking: no step runs meanwhile
             assert save["steps_during"] == 0 and save["cost_s"] == save["blocked_s"]
+        if copy_in_step:
+            assert save["steps_during"] >= 1
     assert report["worst_cost_of_step"] == report["saves"][1]["cost_of_step"]
     assert not directory.exists()  # removed at the end

@@ -8,6 +8,9 @@ import subprocess
 import sys
 import time
 
+from unittest import mock
+
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -16,6 +19,7 @@ import yaml
 from conftest import REPO
 from m3jax.config_loading import to_mapping
 from pretrain.metrics import read_metrics
+from pretrain.session import TrainingSession
 from pretrain.train import main, train
 from tiny import tiny_run
 
@@ -26,8 +30,6 @@ def restored_params(run_dir, step):
 
 
 def tree_equal(a, b):
-    import jax
-
     return all(
         np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
@@ -85,6 +87,44 @@ def test_train_resume_matches_uninterrupted_run(tmp_path):
     ]  # lines past step 3 were rewritten once
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert [r["msa_warmup"] for r in resumed] == [1, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_from_the_next_step_s_copy_equals_the_plain_save(tmp_path, async_save):
+    """checkpoint.copy_in_step: step 3's state comes from the copy that step 4 makes of the state
+    it starts from (pinned host memory, inside the step); the checkpoint equals the plain save's
+    in every leaf and its data position, and a run resumed from it trains on alike. The run's
+    last save (step 6) is a plain one."""
+    checkpoint = {"async_save": async_save}
+    plain = tiny_run(checkpoint=checkpoint)
+    copying = tiny_run(checkpoint={**checkpoint, "copy_in_step": True})
+    train(plain, tmp_path / "plain")
+    saved = []  # (step, memory kinds of the state) of each save started
+    real_start = TrainingSession.start_save
+
+    def start_save(session, due, state):
+        saved.append((due.step, {x.sharding.memory_kind for x in jax.tree.leaves(state)}))
+        real_start(session, due, state)
+
+    with mock.patch.object(TrainingSession, "start_save", start_save):
+        train(copying, tmp_path / "copied")
+    assert saved == [(3, {"pinned_host"}), (6, {"device"})]
+    for name in ("state", "data"):
+        item = lambda run_dir: checkpoint_item(run_dir, 3, name)  # noqa: E731
+        assert tree_equal(item(tmp_path / "plain"), item(tmp_path / "copied"))
+    shutil.rmtree(tmp_path / "copied" / "checkpoints" / "6")
+    summary = train(copying, tmp_path / "copied")
+    assert summary["start_step"] == 3 and summary["end_step"] == 6
+    losses = [[r["loss"] for r in read_metrics(tmp_path / d / "metrics.jsonl")]
+              for d in ("plain", "copied")]  # fmt: skip
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+
+
+def checkpoint_item(run_dir, step, name):
+    directory = run_dir / "checkpoints" / str(step) / name
+    if name == "state":
+        return ocp.StandardCheckpointer().restore(directory)
+    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(directory)
 
 
 def test_train_completed_run_is_not_retrained(tmp_path, capsys):
