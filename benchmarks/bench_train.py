@@ -4,8 +4,8 @@
         --variants "" "model.attention_impl=xla" "model.layer_types=[full*12]"
 
 Each variant is the config with `section.key=value` overrides (space-separated inside one
-argument); `kernels.<field>=value` tokens pin a field of the MSA kernels' `pallas.Config` for that
-variant instead (e.g. `kernels.backward_kernel=triton`; the defaults otherwise). A variant's step
+argument); a `kernels.<field>=value` token adds a setting of the MSA kernels' `pallas.Config` to
+the variant's `model.msa_kernels` (e.g. `kernels.backward_kernel=triton`). A variant's step
 is m3-train's (`pretrain.session.TrainingSession`: the state sharded over the `mesh.*` of the
 config, over every device the process sees), on synthetic packed rows (random tokens; documents
 of random lengths, so rows hold several), in the MSA sparse phase with the indexer loss, as
@@ -32,7 +32,7 @@ out of memory leaves nothing behind for the next; each child measures the matmul
 """
 
 import argparse
-import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +52,8 @@ from benchmarks import trace_summary
 from m3jax import xla_flags
 from m3jax.attention import ForwardMode
 from m3jax.model import functional
-from pallas_kernels.msa import pallas as msa_pallas
 from pretrain.checkpointing import Checkpoints
-from pretrain.config import load_run_config
+from pretrain.config import RunConfig, load_run_config
 from pretrain.session import TrainingSession
 
 TRAIN = ForwardMode(indexer_loss=True)
@@ -91,21 +89,14 @@ KERNELS = "kernels."
 DEVICES = "devices="  # a variant's device count: its own process sees that many (`device_env`)
 
 
-def pinned_kernels(overrides: list[str]) -> contextlib.AbstractContextManager:
-    """Runs the MSA Pallas kernels under the `pallas.Config` that the `kernels.<field>=value`
-    overrides name (`pallas.Config.with_fields`: a tiling's field as
-    `kernels.mosaic_backward.warpgroups=2`)."""
-    pinned = [override.removeprefix(KERNELS) for override in overrides]
-    config = msa_pallas.Config().with_fields(pinned)
-    if not pinned:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for name in ("sparse_attention", "unsupported_reason"):
-        function = getattr(msa_pallas, name)
-        stack.enter_context(
-            mock.patch.object(msa_pallas, name, functools.partial(function, config=config))
-        )
-    return stack
+def with_kernel_pins(run: RunConfig, pins: list[str]) -> RunConfig:
+    """`run` with the `kernels.<field>=value` tokens added to its model's `msa_kernels` (after
+    the config's own settings: a pin wins)."""
+    settings = tuple(pin.removeprefix(KERNELS) for pin in pins)
+    if not settings:
+        return run
+    model = dataclasses.replace(run.model, msa_kernels=run.model.msa_kernels + settings)
+    return dataclasses.replace(run, model=model)
 
 
 def time_variant(
@@ -117,12 +108,7 @@ def time_variant(
 ) -> dict:
     kernels = [o for o in overrides if o.startswith(KERNELS)]
     overrides = [o for o in overrides if not o.startswith((KERNELS, DEVICES))]
-    with pinned_kernels(kernels):
-        return _time_variant(config_path, overrides, steps, trace_dir, document_tokens)
-
-
-def _time_variant(config_path, overrides, steps, trace_dir, document_tokens) -> dict:
-    run = load_run_config(config_path, overrides)
+    run = with_kernel_pins(load_run_config(config_path, overrides), kernels)
     with tempfile.TemporaryDirectory() as scratch:  # the session's checkpoints: none are saved
         checkpoints = Checkpoints(pathlib.Path(scratch), run.checkpoint)
         session = TrainingSession(functional(run.model), run, checkpoints)

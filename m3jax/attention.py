@@ -124,6 +124,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.indexer = Indexer(config, rngs=rngs) if sparse else None
         self.msa, self.impl = config.msa, config.attention_impl
+        self.msa_kernels = config.msa_kernels
         self.mesh = mesh
 
     def __call__(
@@ -199,7 +200,7 @@ class Attention(nnx.Module):
         """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""
         msa, segment_ids, positions = self.msa, inputs.segment_ids, inputs.positions
         q, k, v, index_q, index_k = p
-        backend = attention_ops.msa_backend(self.impl, msa, q, k, index_q)
+        backend = attention_ops.msa_backend(self.impl, msa, q, k, index_q, self.msa_kernels)
 
         def layer(q, index_q, k, v, index_k, segment_ids, positions, query_slots=None):
             out, kl, blocks = attention_ops.msa_layer(

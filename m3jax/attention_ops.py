@@ -22,7 +22,8 @@ Shapes: B batch, S sequence, H query heads, K kv heads (= Hi index heads), Dh he
 head dim.
 """
 
-from types import ModuleType
+from collections.abc import Sequence
+from types import ModuleType, SimpleNamespace
 
 import jax
 
@@ -47,14 +48,16 @@ def msa_backend(
     q: jax.Array,
     k: jax.Array,
     index_q: jax.Array,
-) -> ModuleType:
-    """The module that runs an MSA layer with these operands under `attention_impl=impl`."""
+    gpu_settings: Sequence[str] = (),
+) -> ModuleType | SimpleNamespace:
+    """The backend that runs an MSA layer with these operands under `attention_impl=impl` (a
+    module, or the GPU kernels' functions under `gpu_settings`: the model's `msa_kernels`)."""
     if impl in ("reference", "xla"):
         return MSA_BACKENDS[impl]
     platform = target.platform()
     if impl == "auto" and platform not in ("gpu", "tpu"):
         return msa_xla
-    kernels = msa_tpu if platform == "tpu" else msa_pallas
+    kernels = msa_tpu if platform == "tpu" else msa_pallas.configured(gpu_settings)
     reason = kernels.unsupported_reason(q, k, index_q, block_size=msa.block_size)
     if impl == "pallas" and reason:
         raise ValueError(f"attention_impl='pallas' cannot run this MSA layer: {reason}")

@@ -230,6 +230,9 @@ class ModelConfig:
     # "auto": the MSA Pallas GPU kernels where they apply, else "xla"; "pallas": the kernels or an
     # error; "xla": query-tiled attention and MSA, memory linear in S; "reference": O(S²) jnp (tests)
     attention_impl: str = "auto"
+    # the MSA GPU kernels' settings, 'field=value' of pallas_kernels/msa/pallas.py's Config (e.g.
+    # 'partial_bytes=8589934592': one query window to 8 GiB of per-entry shares); () its defaults
+    msa_kernels: tuple[str, ...] = ()
     msa: MSAConfig = MSAConfig()
     moe: MoEConfig = MoEConfig()
     mtp: MTPConfig = MTPConfig()
@@ -285,6 +288,13 @@ class ModelConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}")
+        if self.msa_kernels:
+            from pallas_kernels.msa.pallas import Config  # the kernels load only when configured
+
+            try:
+                Config().with_fields(self.msa_kernels)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"msa_kernels: {e}") from None
 
     @property
     def num_groups(self) -> int:

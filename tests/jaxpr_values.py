@@ -33,6 +33,11 @@ def primitive_calls(jaxpr: jcore.Jaxpr) -> collections.Counter:
     return _calls(jaxpr, lambda eqn: eqn.primitive.name)
 
 
+def scan_lengths(jaxpr: jcore.Jaxpr) -> collections.Counter:
+    """How many `lax.scan` loops of each length a program holds, sub-programs included."""
+    return _calls(jaxpr, lambda eqn: eqn.params["length"] if eqn.primitive.name == "scan" else None)
+
+
 def _calls(jaxpr: jcore.Jaxpr, key) -> collections.Counter:
     counts = collections.Counter()
     for eqn in jaxpr.eqns:

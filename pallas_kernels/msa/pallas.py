@@ -40,6 +40,9 @@ E = B·W·K·k selection entries, R runs of query slots.
 
 import dataclasses
 import functools
+import sys
+import types
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -115,16 +118,34 @@ class Config:
         digits is an int, any other a string (benchmarks pin kernels this way)."""
         config = self
         for item in items:
-            name, _, text = item.partition("=")
+            name, equals, text = str(item).partition("=")
             part, _, field = name.rpartition(".")
+            if not equals:
+                raise ValueError(f"{item!r} is not 'field=value'")
             if part and part not in {f.name for f in dataclasses.fields(config)}:
                 raise ValueError(f"{item!r}: Config has no tiling {part!r}")
             owner = getattr(config, part) if part else config
             if field not in {f.name for f in dataclasses.fields(owner)}:
                 raise ValueError(f"{item!r}: {type(owner).__name__} has no field {field!r}")
+            if isinstance(getattr(owner, field), int) != text.isdigit():
+                raise ValueError(f"{item!r}: {field} is {type(getattr(owner, field)).__name__}")
             value = dataclasses.replace(owner, **{field: int(text) if text.isdigit() else text})
             config = dataclasses.replace(config, **{part: value}) if part else value
         return config
+
+
+def configured(settings: Sequence[str]) -> types.ModuleType | types.SimpleNamespace:
+    """This backend with its kernels under the Config that `settings` name ('field=value', as
+    `Config.with_fields` takes them; the model's `msa_kernels`): the module itself where there are
+    none, else the same functions with that Config."""
+    if not settings:
+        return sys.modules[__name__]
+    config = Config().with_fields(settings)
+    with_config = (top_blocks, sparse_attention, unsupported_reason)
+    return types.SimpleNamespace(
+        **{f.__name__: functools.partial(f, config=config) for f in with_config},
+        dense_attention=dense_attention, block_recall=block_recall, config=config,
+    )  # fmt: skip
 
 
 def concrete(

@@ -2,7 +2,6 @@
 synthetic packed rows, pinned kernels and isolated variants; bench_msa_tpu's refusal without a
 TPU."""
 
-import functools
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 
 from benchmarks import bench_msa, bench_msa_tpu, bench_train
 from pallas_kernels.msa import pallas as msa_pallas
+from tiny import tiny_run
 
 
 def test_parse_tiling_sets_fields_of_each_part():
@@ -62,18 +62,20 @@ def test_synthetic_batch_packs_documents_with_positions_from_zero():
     assert (np.asarray(batch.targets)[:, :-1] == np.asarray(batch.tokens)[:, 1:]).all()
 
 
-def test_pinned_kernels_reach_the_msa_kernels_for_one_variant_only():
-    pins = ["kernels.forward_kernel=mosaic", "kernels.backward_kernel=triton",
-            "kernels.mosaic_backward.warpgroups=2"]  # fmt: skip
-    with bench_train.pinned_kernels(pins):
-        config = msa_pallas.sparse_attention.keywords["config"]
-        assert (config.forward_kernel, config.backward_kernel) == ("mosaic", "triton")
-        assert config.mosaic_backward.warpgroups == 2 and config.mosaic.warpgroups == 1
-        assert msa_pallas.unsupported_reason.keywords["config"] is config
-    assert not isinstance(msa_pallas.sparse_attention, functools.partial)
-    assert not isinstance(msa_pallas.unsupported_reason, functools.partial)
+def test_kernel_pins_become_the_variants_msa_kernel_settings():
+    """`kernels.<field>=value` tokens are added to the variant's `model.msa_kernels`, after the
+    config's own (a pin wins), and a bad one is refused with the field named."""
+    run = tiny_run(model={"msa_kernels": ["partial_bytes=1024", "kl_kernel=pass"]})
+    pins = ["kernels.backward_kernel=triton", "kernels.kl_kernel=slots"]
+    pinned = bench_train.with_kernel_pins(run, pins)
+    assert pinned.model.msa_kernels == ("partial_bytes=1024", "kl_kernel=pass",
+                                        "backward_kernel=triton", "kl_kernel=slots")  # fmt: skip
+    config = msa_pallas.configured(pinned.model.msa_kernels).config
+    assert (config.partial_bytes, config.backward_kernel, config.kl_kernel) == (
+        1024, "triton", "slots")  # fmt: skip
+    assert bench_train.with_kernel_pins(run, []) is run
     with pytest.raises(ValueError, match="no field 'colour'"):
-        bench_train.pinned_kernels(["kernels.colour=red"])
+        bench_train.with_kernel_pins(run, ["kernels.colour=red"])
 
 
 def test_tpu_bench_refuses_to_time_without_a_tpu(monkeypatch):

@@ -3,6 +3,7 @@ each: "auto" takes the Pallas kernels on a GPU where they apply and the XLA path
 "pallas" takes the kernels or says why not; the layer runs dense attention whenever every query
 keeps all its blocks (S <= topk_blocks · block_size)."""
 
+import collections
 from unittest import mock
 
 import jax
@@ -19,7 +20,7 @@ from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
 from pallas_kernels.msa import tpu as msa_tpu
 from pallas_kernels.msa import xla as msa_xla
-from jaxpr_values import kernel_calls
+from jaxpr_values import kernel_calls, scan_lengths
 from tiny import tiny_run
 
 # stand-ins for the devices kernels are chosen for (pallas_kernels/target.py)
@@ -51,6 +52,44 @@ def test_auto_takes_the_kernels_on_a_gpu_where_they_apply():
             attention_ops.msa_backend("pallas", MSA, f32, k, index_q)
     assert attention_ops.msa_backend("xla", MSA, q, k, index_q) is msa_xla
     assert attention_ops.msa_backend("reference", MSA, q, k, index_q) is msa_reference
+
+
+def test_msa_kernel_settings_configure_the_gpu_kernels_only():
+    """`model.msa_kernels` reaches the GPU kernels' functions as their Config; the XLA path and
+    the reference take none."""
+    q, k, _, index_q, _ = operands()
+    settings = ("partial_bytes=1024", "mosaic_backward.warpgroups=2")
+    with target.ahead_of_time([A_HOPPER]), \
+            mock.patch.object(msa_pallas, "_interpret", lambda interpret: False):  # fmt: skip
+        backend = attention_ops.msa_backend("auto", MSA, q, k, index_q, settings)
+    config = backend.sparse_attention.keywords["config"]
+    assert (config.partial_bytes, config.mosaic_backward.warpgroups) == (1024, 2)
+    assert config.mosaic.warpgroups == msa_pallas.Config().mosaic.warpgroups  # the rest default
+    assert backend.top_blocks.keywords["config"] is config
+    assert backend.dense_attention is msa_pallas.dense_attention
+    assert attention_ops.msa_backend("xla", MSA, q, k, index_q, settings) is msa_xla
+
+
+def test_msa_kernel_settings_reach_the_model_layers_kernels():
+    """The tiny model traced with `msa_kernels` that bound a window's shares to one byte (so a
+    window is `min_window` queries): its 48 queries run in a loop of three windows of 16, where
+    the defaults take them in one."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 272, (1, 48)), jnp.int32)
+    positions, segments = jnp.arange(48)[None], jnp.ones((1, 48), jnp.int32)
+
+    def loop_lengths(settings):
+        run = tiny_run(model={"attention_impl": "pallas", "msa_kernels": list(settings)})
+        model = functional(run.model)
+        params, buffers = model.init(0)
+        mode = ForwardMode(indexer_loss=True)
+        jaxpr = jax.make_jaxpr(
+            lambda p: model.apply(p, buffers, tokens, positions, segments, mode=mode)[0]
+        )(params).jaxpr
+        return scan_lengths(jaxpr)
+
+    default, windowed = loop_lengths(()), loop_lengths(("partial_bytes=1", "min_window=16"))
+    assert 3 not in default and windowed[3] == 1
+    assert windowed - collections.Counter({3: 1}) == default - collections.Counter({1: 1})
 
 
 def test_auto_takes_the_tpu_kernels_on_a_tpu_where_they_apply():

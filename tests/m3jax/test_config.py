@@ -76,6 +76,10 @@ def test_config_wrong_type_is_named(tmp_path):
         ({"moe": {"capacity_factor": -1.5}}, "moe.capacity_factor=-1.5 must be > 0"),
         ({"moe": {"exchange": "nccl"}}, "moe.exchange='nccl' is not one of"),
         ({"moe": {"exchange_factor": 0}}, "moe.exchange_factor=0.0 must be > 0"),
+        ({"msa_kernels": ["partial_bytes"]}, "msa_kernels: 'partial_bytes' is not 'field=value'"),
+        ({"msa_kernels": ["colour=red"]}, "msa_kernels: 'colour=red': Config has no field"),
+        ({"msa_kernels": ["partial_bytes=lots"]}, "'partial_bytes=lots': partial_bytes is int"),
+        ({"msa_kernels": ["mosaic.stage=2"]}, "'mosaic.stage=2': Tiling has no field 'stage'"),
     ],
 )
 def test_config_inconsistent_model_values_fail_at_load(tmp_path, model, message):
