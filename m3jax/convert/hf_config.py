@@ -7,8 +7,9 @@ upstream keys (`sparse_attention_config`, `moe_layer_freq`, top-level `rope_thet
 known: mapped, harmless (token ids, cache flags, ...), or pinned to the only value m3jax and
 transformers implement (e.g. `n_shared_experts: 1`); anything else raises ConfigError naming it.
 
-Training knobs (TRAINING_FIELDS: dtype, remat, MoE bias update rate and balance loss weight, MTP
-loss weight) are not part of config.json; a loaded config has their defaults. MiniMax's
+Training knobs (TRAINING_FIELDS: dtype, remat, the attention implementation and the MSA kernels'
+settings, MoE bias update rate and balance loss weight, MTP loss weight) are not part of
+config.json; a loaded config has their defaults. MiniMax's
 `num_mtp_modules` is the number of multi-token-prediction modules (`mtp.num_modules`).
 
 `to_hf_config` writes a config.json that transformers loads as
@@ -30,7 +31,8 @@ HF_ATTENTION_TYPES = {"full": "full_attention", "msa": "minimax_m3_sparse"}
 HF_MLP_TYPES = {"dense": "dense", "moe": "sparse"}
 # ModelConfig fields config.json does not carry (how we train, not what the model computes).
 TRAINING_FIELDS = (
-    "dtype", "remat", "moe.bias_update_rate", "moe.balance_loss_weight", "mtp.loss_weight"
+    "dtype", "remat", "attention_impl", "msa_kernels", "moe.bias_update_rate",
+    "moe.balance_loss_weight", "mtp.loss_weight",
 )  # fmt: skip
 MODEL_TYPES = {
     "top": "minimax_m3_vl",
@@ -198,7 +200,10 @@ def with_training_fields(config: ModelConfig, source: ModelConfig) -> ModelConfi
         balance_loss_weight=source.moe.balance_loss_weight,
     )
     mtp = dataclasses.replace(config.mtp, loss_weight=source.mtp.loss_weight)
-    return dataclasses.replace(config, dtype=source.dtype, remat=source.remat, moe=moe, mtp=mtp)
+    return dataclasses.replace(
+        config, dtype=source.dtype, remat=source.remat, attention_impl=source.attention_impl,
+        msa_kernels=source.msa_kernels, moe=moe, mtp=mtp,
+    )  # fmt: skip
 
 
 def _text_fields(text: dict, where: str, prefix: str) -> dict:

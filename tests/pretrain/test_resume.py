@@ -36,7 +36,8 @@ def _main(tmp_path, run_dir, run, *overrides):
 
 def test_continuing_keeps_the_lr_schedule_and_may_change_training_knobs(finished, tmp_path, capsys):
     run_dir = _copy(finished, tmp_path)
-    knobs = {"remat": "full", "moe": {"bias_update_rate": 0.02}}  # training-only
+    knobs = {"remat": "full", "moe": {"bias_update_rate": 0.02}, "attention_impl": "xla",
+             "msa_kernels": ["partial_bytes=1048576"]}  # training-only  # fmt: skip
     longer = tiny_run(train={"steps": 8}, model=knobs)
     summary = train(longer, run_dir)
     assert summary["start_step"] == 6 and summary["end_step"] == 8
