@@ -115,7 +115,8 @@ class Config:
     def with_fields(self, items) -> "Config":
         """This config with fields set from 'name=value' strings: one of its own
         ('teacher_bytes=8589934592') or a tiling's ('mosaic_backward.warpgroups=2'); a value of
-        digits is an int, any other a string (benchmarks pin kernels this way)."""
+        digits is an int, any other a string, each as the field's default is (the run config's
+        `model.msa_kernels` and the benchmarks' tilings set kernels this way)."""
         config = self
         for item in items:
             name, equals, text = str(item).partition("=")
