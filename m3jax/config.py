@@ -293,7 +293,7 @@ class ModelConfig:
 
             try:
                 Config().with_fields(self.msa_kernels)
-            except (TypeError, ValueError) as e:
+            except ValueError as e:  # with_fields names the bad item
                 raise ValueError(f"msa_kernels: {e}") from None
 
     @property
