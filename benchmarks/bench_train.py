@@ -8,7 +8,9 @@ argument); a `kernels.<field>=value` token adds a setting of the MSA kernels' `p
 the variant's `model.msa_kernels` (e.g. `kernels.backward_kernel=triton`). A variant's step
 is m3-train's (`pretrain.session.TrainingSession`: the state sharded over the `mesh.*` of the
 config, over every device the process sees), on synthetic packed rows (random tokens; documents
-of random lengths, so rows hold several), in the MSA sparse phase with the indexer loss, as
+of random lengths, so rows hold several) or, with `--rows corpus`, the first batch of the
+config's own data (m3-train's loader: real documents, their lengths, the routing real text gets),
+in the MSA sparse phase with the indexer loss, as
 `m3-train` runs after the warm-up. Reports the median step time over `--steps` steps after two
 warm-up steps, tokens/s (all devices, and per device), MFU per device (model FLOPs as m3-train
 counts them, pretrain/mfu.py, against 989 TFLOP/s and against the bf16 matmul rate measured in
@@ -54,6 +56,7 @@ from m3jax.attention import ForwardMode
 from m3jax.model import functional
 from pretrain.checkpointing import Checkpoints
 from pretrain.config import RunConfig, load_run_config
+from pretrain.data_loading import make_loader
 from pretrain.session import TrainingSession
 
 TRAIN = ForwardMode(indexer_loss=True)
@@ -85,6 +88,21 @@ def synthetic_batch(
     )
 
 
+def host_rows(run: RunConfig, rows: str, document_tokens: int) -> Batch:
+    """The batch a variant steps on: `synthetic_batch` ("synthetic"), or the first batch of the
+    run's own data through m3-train's loader ("corpus")."""
+    if rows == "synthetic":
+        return synthetic_batch(run.data.batch_size, run.data.seq_len, run.model.vocab_size,
+                               mean_document=document_tokens)  # fmt: skip
+    if rows != "corpus":
+        raise ValueError(f"rows={rows!r}: 'synthetic' or 'corpus'")
+    loader = make_loader(run)
+    try:
+        return next(loader)
+    finally:
+        loader.close()
+
+
 KERNELS = "kernels."
 DEVICES = "devices="  # a variant's device count: its own process sees that many (`device_env`)
 
@@ -105,6 +123,7 @@ def time_variant(
     steps: int,
     trace_dir: str | None = None,
     document_tokens: int = 1500,
+    rows: str = "synthetic",
 ) -> dict:
     kernels = [o for o in overrides if o.startswith(KERNELS)]
     overrides = [o for o in overrides if not o.startswith((KERNELS, DEVICES))]
@@ -113,9 +132,7 @@ def time_variant(
         checkpoints = Checkpoints(pathlib.Path(scratch), run.checkpoint)
         session = TrainingSession(functional(run.model), run, checkpoints)
         session.initialize()
-        host_batch = synthetic_batch(run.data.batch_size, run.data.seq_len, run.model.vocab_size,
-                                     mean_document=document_tokens)  # fmt: skip
-        host_batch = jax.tree.map(np.asarray, host_batch)
+        host_batch = jax.tree.map(np.asarray, host_rows(run, rows, document_tokens))
         batch = session.put_batch(host_batch)
         times, losses = [], []
         for i in range(steps + 2):
@@ -140,7 +157,7 @@ def time_variant(
     row = {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tokens": tokens,
            "devices": jax.device_count(), "mesh": dict(session.mesh.shape),
            "model_tflops_per_s": flops_per_token * tokens / seconds / 1e12,
-           "first_loss": losses[0], "last_loss": losses[-1],
+           "rows": rows, "first_loss": losses[0], "last_loss": losses[-1],
            "finite": bool(np.isfinite(losses).all()), "peak_gb": max(peaks) / 1e9}  # fmt: skip
     if communication:  # NCCL kernels' busy time a step, on the busiest device
         row["communication_ms"] = max(communication)
@@ -177,6 +194,8 @@ def main() -> None:
     parser.add_argument("--document-tokens", type=int, default=1500,
                         help="mean document length of the synthetic rows (>= seq_len: one "
                              "document a row, as a long-context run has)")
+    parser.add_argument("--rows", choices=("synthetic", "corpus"), default="synthetic",
+                        help="synthetic packed rows, or the first batch of the config's own data")
     parser.add_argument("--stop-at-error", action="store_true",
                         help="skip the variants after the first that fails (e.g. longer "
                              "sequences after the first that does not fit)")
@@ -200,7 +219,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         if "error" in row and args.stop_at_error:
             break
-    print(f"\n{rows[0].get('device', '?')}, jax {jax.__version__}, {args.config}")
+    print(f"\n{rows[0].get('device', '?')}, jax {jax.__version__}, {args.config}, "
+          f"{args.rows} rows")
     print("| variant | devices | step ms | tokens/s | per device | MFU (989) | of matmul rate | "
           "peak GB | communication | vs first (per device) | loss |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -254,7 +274,7 @@ def variant_row(args: argparse.Namespace, variant: str, profile: str | None) -> 
     name, matmul = variant or "as configured", measured_matmul_rate()
     try:
         row = {"variant": name, **time_variant(args.config, variant.split(), args.steps, profile,
-                                               args.document_tokens)}  # fmt: skip
+                                               args.document_tokens, args.rows)}  # fmt: skip
     except Exception as e:  # e.g. out of memory: record it, keep going
         return {"variant": name, "error": str(e).splitlines()[0][:300]}
     row["device"] = jax.devices()[0].device_kind
@@ -269,7 +289,7 @@ def isolated_variant(args: argparse.Namespace, variant: str, profile: str | None
     without one."""
     command = [sys.executable, "-m", "benchmarks.bench_train", "--config", args.config,
                "--steps", str(args.steps), "--document-tokens", str(args.document_tokens),
-               "--child", "--variants", variant]  # fmt: skip
+               "--rows", args.rows, "--child", "--variants", variant]  # fmt: skip
     command += ["--profile", profile] if profile else []
     env = device_env(variant_devices(variant))
     child = subprocess.run(command, capture_output=True, text=True, env=env)

@@ -1,5 +1,5 @@
 """The GPU benchmarks' own logic, on CPU: bench_msa's kernel configs and phase filter, bench_train's
-synthetic packed rows, pinned kernels and isolated variants; bench_msa_tpu's refusal without a
+synthetic packed rows and corpus rows, pinned kernels and isolated variants; bench_msa_tpu's refusal without a
 TPU."""
 
 import json
@@ -158,3 +158,28 @@ def test_a_variant_trains_on_a_mesh_of_the_devices_it_sees(tmp_path):
                                    steps=2, document_tokens=12)  # fmt: skip
     assert row["devices"] == 4 and row["mesh"]["data"] == 2 and row["mesh"]["expert"] == 2
     assert row["finite"] and row["tokens"] == 4 * 32 and row["step_ms"] > 0
+
+
+def test_corpus_rows_are_the_loaders_first_batch_and_train(tmp_path):
+    """--rows corpus: the config's own data through m3-train's loader (here the tiny run's
+    Shakespeare), not synthetic rows; a variant trains on it; an unknown source is refused."""
+    import yaml
+    from tiny import TINY
+
+    from pretrain.data_loading import make_loader
+
+    run = tiny_run()
+    loader = make_loader(run)
+    expected = next(loader)
+    loader.close()
+    corpus = bench_train.host_rows(run, "corpus", document_tokens=12)
+    synthetic = bench_train.host_rows(run, "synthetic", document_tokens=12)
+    np.testing.assert_array_equal(np.asarray(corpus.tokens), np.asarray(expected.tokens))
+    np.testing.assert_array_equal(np.asarray(corpus.segment_ids), np.asarray(expected.segment_ids))
+    assert not np.array_equal(np.asarray(corpus.tokens), np.asarray(synthetic.tokens))
+    with pytest.raises(ValueError, match="rows='random'"):
+        bench_train.host_rows(run, "random", document_tokens=12)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    row = bench_train.time_variant(str(config), [], steps=1, rows="corpus")
+    assert row["rows"] == "corpus" and row["finite"] and row["tokens"] == 4 * 32
