@@ -1,6 +1,6 @@
 """The GPU benchmarks' own logic, on CPU: bench_msa's kernel configs and phase filter, bench_train's
-synthetic packed rows and corpus rows, pinned kernels and isolated variants; bench_msa_tpu's refusal without a
-TPU."""
+synthetic packed rows and corpus rows, pinned kernels and isolated variants; bench_msa_tpu's
+refusal without a TPU."""
 
 import json
 import os
