@@ -2,7 +2,8 @@
 
 - Model: the architecture is fixed by the checkpoint; training-only knobs (dtype, remat,
   attention_impl, msa_kernels, init_std, moe.bias_update_rate, moe.balance_loss_weight: the ones
-  m3-import lets a config set) may change. A refused change names the field: `model.moe.num_experts=8, not 4`.
+  m3-import lets a config set) may change. A refused change names the field:
+  `model.moe.num_experts=8, not 4`.
 - Data: the data position in a checkpoint belongs to the data settings it was saved with; when it
   does not fit the current loader, every changed `data.*` field is named: `data.seq_len 256 → 128`.
 - LR schedule: its horizon (the steps the cosine decays over) is saved in every checkpoint and kept
