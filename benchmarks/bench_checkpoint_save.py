@@ -11,24 +11,27 @@ steps (and a save thread's use of the interpreter) hides behind the device's as 
 training; a step's time is the interval between its completion and the previous one's.
 
 1. `--steps` steps alone: the median step time T.
-2. `--saves` times: the pipeline drained (train.py reads the newest step's loss before a save),
-   then `session.save(step, loader)` as train.py calls it (the finiteness check, then Orbax's
-   save, which copies the state to the host before it returns and writes files in background
-   threads; with `checkpoint.copy_in_step=true` the next step copies the state it starts from
-   to the host and Orbax saves that copy), then steps until `Checkpoints.poll` says the save is
-   complete, and the pipeline drained again. The save's cost is what that stretch took beyond
-   its steps':
+2. `--saves` times: the pipeline drained (train.py reads the newest step's loss before a plain
+   save), then `session.save(step, loader)` as train.py calls it (the finiteness check, then
+   Orbax's save, which copies the state to the host before it returns and writes files in
+   background threads); with `checkpoint.copy_in_step=true` as train.py runs it instead: the
+   next step copies the state it starts from to host memory, and Orbax's save of that copy
+   starts once the step after it is dispatched. Then steps until `Checkpoints.poll` says the
+   save is complete, and the pipeline drained again. The save's cost is what that stretch took
+   beyond its steps':
 
        cost = (drained after the save - drained before it) - steps meanwhile x T
 
-   that is the time the call blocked, the steps' slowdown and the pipeline's refill, reported
-   as a fraction of one step (cost / T) and of the checkpoint interval (cost /
-   (checkpoint.every_steps x T)); the verdict takes the worst save after the first (the first
-   also sets Orbax's machinery up: once per run; it is listed too). The first 8 step times
-   meanwhile are listed too: whether a save slows the step right after it or many.
+   that is the time the save held the loop (`blocked_s`: the call that starts it), the steps'
+   slowdown and the pipeline's refill, reported as a fraction of one step (cost / T) and of
+   the checkpoint interval (cost / (checkpoint.every_steps x T)); the verdict takes the worst
+   save after the first (the first also sets Orbax's machinery up and compiles the copying
+   step: once per run; it is listed too). The first 8 step times meanwhile are listed too:
+   whether a save slows the step right after it or many.
 
 Each save writes into an emptied `--dir`, which must hold one copy of the state (its size is
-printed first); the directory is removed at the end.
+printed first; emptied before the step that precedes the save, outside the timing); the
+directory is removed at the end.
 The last stdout line is JSON.
 """
 
@@ -39,6 +42,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -60,12 +64,14 @@ class Pipeline:
         self._in_flight = None
         self.last_done = time.perf_counter()  # when the last step waited for was complete
 
-    def step(self, copy_state: bool = False) -> float | None:
-        """Dispatches a step (`copy_state`: one that also copies its state to the host), then
-        waits for the one before it; returns that one's time (since the completion before it),
-        or None if none was in flight."""
+    def step(self, copy_state: bool = False, then: Callable[[], None] | None = None):
+        """Dispatches a step (`copy_state`: one that also copies its state to the host), calls
+        `then`, then waits for the step before it; returns that one's time (since the completion
+        before it), or None if none was in flight."""
         previous = self._in_flight
         self._in_flight = self._session.step_on_devices(self._batch, self._mode, copy_state)
+        if then is not None:
+            then()
         return None if previous is None else self._wait(previous)
 
     def drain(self) -> float | None:
@@ -89,15 +95,24 @@ def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, st
     """Saves `step` from a drained pipeline, steps until the save is complete, drains; the cost as
     in the module doc."""
     pipeline.drain()
-    start = pipeline.last_done
-    if session.run.checkpoint.copy_in_step:  # as train.py: the state from the next step's copy
-        due = session.prepare_save(step, loader)
-        pipeline.step(copy_state=True)  # counted among the steps meanwhile when next waited for
-        session.start_save(due, session.take_state_copy())
+    start, held, during = pipeline.last_done, [], []
+
+    def timed(save: Callable[[], None]) -> Callable[[], None]:
+        def call():
+            began = time.perf_counter()
+            save()
+            held.append(time.perf_counter() - began)
+
+        return call
+
+    if session.run.checkpoint.copy_in_step:  # as train.py: step + 1 copies the state, the save
+        due = session.prepare_save(step, loader)  # starts once step + 2 is dispatched
+        pipeline.step(copy_state=True)
+        copied = session.take_state_copy(due)
+        during.append(pipeline.step(then=timed(lambda: session.start_copied_save(copied))))
     else:
-        session.save(step, loader)
-    blocked = time.perf_counter() - start
-    during = []
+        timed(lambda: session.save(step, loader))()
+    blocked = held[0]
     while session.run.checkpoint.async_save and session.checkpoints.poll() is None:
         if (seconds := pipeline.step()) is not None:
             during.append(seconds)
@@ -154,12 +169,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps}", flush=True)  # fmt: skip
     saves, step = [], args.steps + 2
     for _ in range(args.saves):
-        if saves:
+        if saves:  # the directory emptied before the step that precedes the save, not timed
             fresh_checkpoints(session, directory)
+            pipeline.run(1)
         saves.append(one_save(session, loader, pipeline, step, step_s))
         step += saves[-1]["steps_during"] + 1
         print(json.dumps(saves[-1]), flush=True)
-        pipeline.run(1)  # the next save's step
     session.checkpoints.close()
     shutil.rmtree(directory, ignore_errors=True)
     loader.close()

@@ -40,7 +40,9 @@ def keep_finite(state: dict, updated: dict, loss: jax.Array, grad_norm: jax.Arra
 
 
 @jax.jit
-def _finite_leaves(state: dict) -> dict:
+def finite_leaves(state: dict) -> dict:
+    """Per leaf: whether it holds only finite numbers (device booleans; inside a step too)."""
+
     def finite(x):
         return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True
 
@@ -49,8 +51,13 @@ def _finite_leaves(state: dict) -> dict:
 
 def check_finite(state: dict, step: int) -> None:
     """Raises NonFiniteStateError naming the first non-finite leaves (one device reduction)."""
-    flags = jax.tree_util.tree_flatten_with_path(jax.device_get(_finite_leaves(state)))[0]
-    bad = [jax.tree_util.keystr(path) for path, ok in flags if not ok]
+    raise_if_not_finite(finite_leaves(state), step)
+
+
+def raise_if_not_finite(flags: dict, step: int) -> None:
+    """NonFiniteStateError naming the leaves whose `finite_leaves` flag is false (fetches them)."""
+    flagged = jax.tree_util.tree_flatten_with_path(jax.device_get(flags))[0]
+    bad = [jax.tree_util.keystr(path) for path, ok in flagged if not ok]
     if bad:
         raise NonFiniteStateError(
             f"the train state at step {step} holds NaN or infinity in {len(bad)} array(s), e.g. "

@@ -28,7 +28,7 @@ from pretrain.checkpointing import Checkpoints, abstract_with_shardings
 from pretrain.config import RunConfig
 from pretrain.data_loading import process_share, run_mesh
 from pretrain.distributed import data_item, gather, own_data_state
-from pretrain.faults import FaultMonitor, check_finite
+from pretrain.faults import FaultMonitor, check_finite, finite_leaves, raise_if_not_finite
 from pretrain.mfu import ModelFlops
 from pretrain.msa_schedule import forward_mode, msa_phase
 from pretrain.optimizer import learning_rate, make_optimizer
@@ -46,12 +46,23 @@ class DataPositionError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DueSave:
-    """A save whose state is still to come: the step's data position and progress, taken when
-    its state was checked (`TrainingSession.prepare_save`)."""
+    """A save whose state is still to come: the step's data position and progress, taken at that
+    step (`TrainingSession.prepare_save`); the skipped steps are added when the save starts."""
 
     step: int
     data: dict
     progress: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiedSave:
+    """A due save with the copy of its state that the next step made in host memory, whether
+    each leaf of that state is finite (unfetched device flags) and the steps skipped up to it."""
+
+    due: DueSave
+    state: dict
+    finite: dict
+    skipped_steps: int
 
 
 class TrainingSession:
@@ -90,7 +101,7 @@ class TrainingSession:
         self.processes_per_batch = process_share(run)[1]  # blocks a global batch is loaded in
         self._use_schedule(horizon)
         self.state = None
-        self.state_copy = None  # the host copy of its starting state a `copy_state` step made
+        self._state_copy = None  # (host copy, finite flags) of the state a copying step began from
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
         self.faults = FaultMonitor(run, report)  # skipped steps (all sessions), loss spikes
         self.modality_tokens = collections.Counter()  # this session's tokens by modality
@@ -146,7 +157,7 @@ class TrainingSession:
         """One optimizer step on a host batch; returns its metrics as (unfetched) device arrays,
         plus the batch's training FLOPs per token (`model_flops_per_token`, a host float).
         copy_state: the step also copies the state it starts from to host memory
-        (`state_copy`), for a save that overlaps the step (`checkpoint.copy_in_step`)."""
+        (`take_state_copy`), for a save that overlaps the step (`checkpoint.copy_in_step`)."""
         if batch.modality is not None:
             self.modality_tokens.update(modality_counts(batch))
         metrics = self.step_on_devices(self.put_batch(batch), mode, copy_state)
@@ -168,7 +179,8 @@ class TrainingSession:
         """One optimizer step on a batch already on the devices (`put_batch`); modality counts are
         left to `step`. benchmarks/bench_input_stall.py times the step alone through this."""
         if copy_state:
-            self.state, metrics, self.state_copy = self._copying_step(self.state, batch, mode)
+            self.state, metrics, *copied = self._copying_step(self.state, batch, mode)
+            self._state_copy = tuple(copied)
         else:
             self.state, metrics = self._step(self.state, batch, mode)
         self.tokens_seen += batch.tokens.size  # global B·S
@@ -180,32 +192,35 @@ class TrainingSession:
         """Starts saving the state at `step` with the loader's position (or `data_state`, the
         position before an interrupted batch), every process's (a collective: all call it at the
         same step). Raises NonFiniteStateError instead of saving NaN."""
-        self.start_save(self.prepare_save(step, loader, data_state), self.state)
+        check_finite(self.state, step)
+        due = self.prepare_save(step, loader, data_state)
+        self._write(due, self.state, self.faults.skipped_steps)
 
     def prepare_save(self, step: int, loader, data_state: dict | None = None) -> DueSave:
-        """What a save of the state at `step` writes besides the state, taken now (arguments and
-        NonFiniteStateError as `save`'s); `start_save` writes it with the state, now or from the
-        copy the next step makes (`step(copy_state=True)`)."""
-        check_finite(self.state, step)
-        progressed = {
-            **progress(self.run, self.tokens_seen),
-            "skipped_steps": self.faults.skipped_steps,
-            "schedule_steps": self.schedule_steps,
-        }
+        """The data position and progress of a save at `step`, taken now without waiting for the
+        device (arguments as `save`'s), for the next step to copy the state
+        (`step(copy_state=True)`, then `take_state_copy`)."""
         position = loader.state() if data_state is None else data_state
+        progressed = {**progress(self.run, self.tokens_seen), "schedule_steps": self.schedule_steps}
         return DueSave(step, data_item(gather(position)), progressed)
 
-    def start_save(self, due: DueSave, state: dict) -> None:
-        """Starts saving `state` as `due` describes it (in the background when async)."""
-        self.checkpoints.save(due.step, state, due.data, due.progress)
-
-    def take_state_copy(self) -> dict:
-        """The host copy of the state the last `copy_state` step made (dropped here: the save
-        holds it until written)."""
-        copy, self.state_copy = self.state_copy, None
-        if copy is None:
+    def take_state_copy(self, due: DueSave) -> CopiedSave:
+        """`due` with the state copy the last `copy_state` step made; called once the fault
+        monitor has checked `due.step` (it has observed the copying step)."""
+        copied, self._state_copy = self._state_copy, None
+        if copied is None:
             raise RuntimeError("no step has copied the state since the last take_state_copy")
-        return copy
+        return CopiedSave(due, *copied, skipped_steps=self.faults.skipped_steps)
+
+    def start_copied_save(self, copied: CopiedSave) -> None:
+        """Starts saving a copied state (NonFiniteStateError as `save`'s). Waits for the copying
+        step; started once the step after it is dispatched, the device has that one to run."""
+        raise_if_not_finite(copied.finite, copied.due.step)
+        self._write(copied.due, copied.state, copied.skipped_steps)
+
+    def _write(self, due: DueSave, state: dict, skipped_steps: int) -> None:
+        progressed = {**due.progress, "skipped_steps": skipped_steps}
+        self.checkpoints.save(due.step, state, due.data, progressed)
 
     def _use_schedule(self, steps: int) -> None:
         """Builds the optimizer and the jitted step for an LR schedule decaying over `steps`."""
@@ -225,7 +240,7 @@ class TrainingSession:
         on_host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self.state_shardings)
         self._copying_step = jitted(
             _also_returning_its_input(train_step),
-            out_shardings=(self.state_shardings, replicated, on_host),
+            out_shardings=(self.state_shardings, replicated, on_host, replicated),
         )
 
     def _state_shardings(self) -> dict:
@@ -255,10 +270,10 @@ def state_shardings(model: Functional, optimizer, abstract_state: dict, mesh) ->
 
 def _also_returning_its_input(train_step: Callable) -> Callable:
     """train_step(state, batch, mode) -> (state, metrics) as one that also returns the state it
-    was given (placed by the jit's out_shardings)."""
+    was given (placed by the jit's out_shardings) and whether each of its leaves is finite."""
 
     def step(state, batch, mode):
-        return (*train_step(state, batch, mode), state)
+        return (*train_step(state, batch, mode), state, finite_leaves(state))
 
     return step
 

@@ -43,7 +43,7 @@ from pretrain.evaluation import Evaluator
 from pretrain.metrics import MetricsWriter, NoMetrics, read_metrics
 from pretrain.mfu import Peak, device_peak, window_throughput
 from pretrain.resume_checks import check_model, data_position_error, saved_run
-from pretrain.session import DataPositionError, TrainingSession
+from pretrain.session import CopiedSave, DataPositionError, TrainingSession
 
 LOG_KEYS = (
     "loss", "nll", "mtp_nll", "msa_kl", "msa_recall", "grad_norm", "lr", "expert_imbalance",
@@ -140,7 +140,8 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
     pending, window_start, untimed = [], time.perf_counter(), 0
     step = saved = start
     faults, position, data_error = session.faults, None, None
-    due = None  # a save prepared at the last step, whose state the next step copies
+    due = None  # a save prepared at the last step, whose state this step copies
+    copied = None  # a save whose state the last step copied: started once this step is dispatched
     primary = is_primary()
     bar = tqdm(total=total, initial=start, desc="train", unit="step", mininterval=1.0,
                disable=not (run.logging.progress_bar and primary), dynamic_ncols=True)  # fmt: skip
@@ -159,11 +160,11 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
             mode = session.forward_mode(step + 1)
             metrics = session.step(batch, mode, copy_state=due is not None)
             step += 1
-            if due is not None:  # the last step's save, from the copy this step made
-                copied, saved = session.take_state_copy(), due.step
-                saver.save(due.step, lambda: session.start_save(due, copied))
-                due = None
+            if copied is not None:  # while the device runs this step, not after it
+                saved, copied = _start_copied(saver, session, copied), None
             faults.observe(step, metrics, loader.provenance())
+            if due is not None:  # observed: the fault monitor has checked the due step
+                copied, due = session.take_state_copy(due), None
             pending.append(metrics)
             if step == start + 1:  # compilation: keep its metrics, leave it out of throughput
                 jax.block_until_ready(metrics)
@@ -183,14 +184,16 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
             if evaluator is not None and step % run.eval.every_steps == 0:
                 window_start += _evaluate(evaluator, writer, write, step)  # not in throughput
             if step % run.checkpoint.every_steps == 0 or step == total:
-                faults.flush()
                 if run.checkpoint.copy_in_step and step < total:
-                    due = session.prepare_save(step, loader, position)
+                    due = session.prepare_save(step, loader, position)  # no wait for the device
                 else:
+                    faults.flush()
                     saver.save(step)
                     saved = step
             saver.poll(step)
             bar.update(1)
+    if copied is not None:  # stopped right after the copying step
+        saved = _start_copied(saver, session, copied)
     faults.flush()
     if (stop.signum or faults.stop_reason or data_error) and step > start and saved != step:
         saver.save(step)
@@ -203,6 +206,12 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
     if stop.signum and primary:
         print(f"m3-train: {signal.Signals(stop.signum).name}: {where}, stopping", flush=True)
     return step
+
+
+def _start_copied(saver: SaveRetry, session: TrainingSession, copied: CopiedSave) -> int:
+    """Starts the save whose state a step copied (`checkpoint.copy_in_step`); returns its step."""
+    saver.save(copied.due.step, lambda: session.start_copied_save(copied))
+    return copied.due.step
 
 
 def _agreed_batch(stop, loader) -> tuple[Batch | None, dict | None, DataError | None]:

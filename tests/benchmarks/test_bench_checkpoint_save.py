@@ -24,13 +24,16 @@ class _FakeCheckpoints:
 
 
 class _FakePipeline:
-    """Steps of 1.25 s each, from t = 100 s."""
+    """Steps of 1.25 s each, from t = 100 s; `events` lists dispatches (True: a copying step)."""
 
     def __init__(self):
-        self.last_done, self._in_flight = 100.0, False
+        self.last_done, self._in_flight, self.events = 100.0, False, []
 
-    def step(self):
+    def step(self, copy_state=False, then=None):
         previous, self._in_flight = self._in_flight, True
+        self.events.append(copy_state)
+        if then is not None:
+            then()
         return self._done() if previous else None
 
     def drain(self):
@@ -42,20 +45,55 @@ class _FakePipeline:
         return 1.25
 
 
+class _Clock:
+    """perf_counter for the benchmark: time moves only when a save call holds the loop."""
+
+    def __init__(self):
+        self.now = 200.0
+
+    def hold(self, seconds):
+        self.now += seconds
+
+
 def test_cost_is_the_saves_stretch_beyond_its_steps_time(monkeypatch):
+    clock = _Clock()
     session = types.SimpleNamespace(
         run=tiny_run(checkpoint={"async_save": True}),
         checkpoints=_FakeCheckpoints(polls=3),
-        save=lambda step, loader: None,
+        save=lambda step, loader: clock.hold(0.5),
     )
-    monkeypatch.setattr(bench_checkpoint_save.time, "perf_counter", lambda: 100.5)
+    monkeypatch.setattr(bench_checkpoint_save.time, "perf_counter", lambda: clock.now)
     save = bench_checkpoint_save.one_save(session, None, _FakePipeline(), step=7, step_s=1.0)
     assert save["steps_during"] == 3  # 3 dispatched, drained after
-    assert save["blocked_s"] == pytest.approx(0.5)
+    assert save["blocked_s"] == pytest.approx(0.5)  # the save call
     assert save["first_steps_ms"] == [1250.0] * 3
     assert save["complete_s"] == pytest.approx(3 * 1.25)
     assert save["cost_s"] == pytest.approx(3 * 1.25 - 3 * 1.0)
     assert save["cost_of_step"] == pytest.approx(save["cost_s"] / 1.0)
+
+
+def test_a_copied_save_starts_once_the_step_after_the_copying_one_is_dispatched(monkeypatch):
+    """As train.py: step + 1 copies the state, step + 2 is dispatched, then the save starts."""
+    clock, pipeline = _Clock(), _FakePipeline()
+
+    def start_copied_save(copied):
+        assert copied == ("copy of", ("due", 7))
+        pipeline.events.append("save")
+        clock.hold(0.25)
+
+    session = types.SimpleNamespace(
+        run=tiny_run(checkpoint={"async_save": True, "copy_in_step": True}),
+        checkpoints=_FakeCheckpoints(polls=2),
+        prepare_save=lambda step, loader: ("due", step),
+        take_state_copy=lambda due: ("copy of", due),
+        start_copied_save=start_copied_save,
+    )
+    monkeypatch.setattr(bench_checkpoint_save.time, "perf_counter", lambda: clock.now)
+    save = bench_checkpoint_save.one_save(session, None, pipeline, step=7, step_s=1.0)
+    assert pipeline.events == [True, False, "save", False, False]
+    assert save["blocked_s"] == pytest.approx(0.25)
+    assert save["steps_during"] == 4  # the copying step, the one dispatched before the save, two
+    assert save["cost_s"] == pytest.approx(4 * 1.25 - 4 * 1.0)
 
 
 def test_the_pipeline_dispatches_each_step_before_waiting_for_the_one_before(monkeypatch):

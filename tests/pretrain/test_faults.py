@@ -13,6 +13,7 @@ from data.text_loader import PackedTextLoader
 from m3jax.model import functional
 from pretrain.checkpointing import Checkpoints
 from pretrain.config import RunError
+from pretrain.data_loading import make_loader
 from pretrain.faults import FaultMonitor, NonFiniteStateError, keep_finite
 from pretrain.metrics import read_metrics
 from pretrain.session import TrainingSession
@@ -53,16 +54,19 @@ def _assert_same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("copy_in_step", [False, True])
 def test_poisoned_batches_are_skipped_named_and_stop_the_run_when_repeated(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, copy_in_step
 ):
     """Step 3's batch is poisoned (skipped, the run goes on), then 6 to 15: eleven skips within
     100 steps are more than the default max_skipped_steps=10, so the run stops at step 15 with a
-    checkpoint of the last good state."""
+    checkpoint of the last good state. Each checkpoint counts the steps skipped up to it, also
+    where each save's state is copied by the step after it (saves at every step overlap)."""
     poisoned = (3, *range(6, 16))
     monkeypatch.setattr(_PoisonedLoader, "poisoned", poisoned)
     monkeypatch.setattr(pretrain.data_loading, "PackedTextLoader", _PoisonedLoader)
-    run = tiny_run(train={"steps": 20}, checkpoint={"every_steps": 1, "keep": 20})
+    checkpoint = {"every_steps": 1, "keep": 20, "copy_in_step": copy_in_step}
+    run = tiny_run(train={"steps": 20}, checkpoint=checkpoint)
     with pytest.raises(RunError) as stopped:  # main went on with NaN to the end
         train(run, tmp_path / "run")
     assert "11 of the last 100 steps (up to step 15) had a non-finite loss or gradient" in str(
@@ -78,6 +82,11 @@ def test_poisoned_batches_are_skipped_named_and_stop_the_run_when_repeated(
     embed = [_state(run_dir, step)["params"]["embed"] for step in (3, 4)]
     assert not np.array_equal(*embed)  # step 4 was a good one
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == list(range(1, 16))
+    for step in range(1, 16):
+        saved = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+            run_dir / "checkpoints" / str(step) / "progress"
+        )
+        assert saved["skipped_steps"] == sum(p <= step for p in poisoned), step
     lines = [line for line in capsys.readouterr().out.splitlines() if "update skipped" in line]
     assert [int(line.split(":")[1].split()[1]) for line in lines] == list(poisoned)
     assert "batch: " in lines[0] and "/act-" in lines[0]  # the scenes in the poisoned batch
@@ -97,6 +106,25 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
         session.save(1, loader=None, data_state={})
     session.checkpoints.wait()
     assert session.checkpoints.all_steps() == []
+
+
+def test_a_non_finite_state_copied_by_a_step_is_never_saved(tmp_path):
+    """checkpoint.copy_in_step: the step that copies the state also tells whether each of its
+    leaves is finite; the save of a copy holding infinity is refused as the plain one."""
+    run = tiny_run(checkpoint={"copy_in_step": True})
+    session = TrainingSession(functional(run.model), run, Checkpoints(tmp_path, run.checkpoint))
+    session.initialize()
+    params = session.state["params"]
+    session.state["params"] = {**params, "embed": params["embed"].at[0, 0].set(jnp.inf)}
+    loader = make_loader(run)
+    due = session.prepare_save(1, loader)
+    session.step(next(loader), session.forward_mode(1), copy_state=True)
+    copied = session.take_state_copy(due)
+    with pytest.raises(NonFiniteStateError, match=r"at step 1 holds NaN or infinity in 1 array"):
+        session.start_copied_save(copied)
+    session.checkpoints.wait()
+    assert session.checkpoints.all_steps() == []
+    loader.close()
 
 
 def _monitor(**train_fields):

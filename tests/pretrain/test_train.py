@@ -19,6 +19,7 @@ import yaml
 from conftest import REPO
 from m3jax.config_loading import to_mapping
 from pretrain.metrics import read_metrics
+from pretrain.checkpointing import Checkpoints
 from pretrain.session import TrainingSession
 from pretrain.train import main, train
 from tiny import tiny_run
@@ -92,24 +93,30 @@ def test_train_resume_matches_uninterrupted_run(tmp_path):
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_save_from_the_next_step_s_copy_equals_the_plain_save(tmp_path, async_save):
     """checkpoint.copy_in_step: step 3's state comes from the copy that step 4 makes of the state
-    it starts from (pinned host memory, inside the step); the checkpoint equals the plain save's
-    in every leaf and its data position, and a run resumed from it trains on alike. The run's
-    last save (step 6) is a plain one."""
+    it starts from (pinned host memory, inside the step), saved once step 5 is dispatched; the
+    checkpoint equals the plain save's in every leaf, its data position and progress, and a run
+    resumed from it trains on alike. The run's last save (step 6) is a plain one."""
     checkpoint = {"async_save": async_save}
     plain = tiny_run(checkpoint=checkpoint)
     copying = tiny_run(checkpoint={**checkpoint, "copy_in_step": True})
     train(plain, tmp_path / "plain")
-    saved = []  # (step, memory kinds of the state) of each save started
-    real_start = TrainingSession.start_save
+    events = []  # steps dispatched (True: a copying one) and saves started, in order
+    real_save, real_step = Checkpoints.save, TrainingSession.step_on_devices
 
-    def start_save(session, due, state):
-        saved.append((due.step, {x.sharding.memory_kind for x in jax.tree.leaves(state)}))
-        real_start(session, due, state)
+    def save(checkpoints, step, state, data_state, progress):
+        events.append((step, {x.sharding.memory_kind for x in jax.tree.leaves(state)}))
+        real_save(checkpoints, step, state, data_state, progress)
 
-    with mock.patch.object(TrainingSession, "start_save", start_save):
+    def step_on_devices(session, batch, mode, copy_state=False):
+        events.append(copy_state)
+        return real_step(session, batch, mode, copy_state)
+
+    with (mock.patch.object(Checkpoints, "save", save),
+          mock.patch.object(TrainingSession, "step_on_devices", step_on_devices)):  # fmt: skip
         train(copying, tmp_path / "copied")
-    assert saved == [(3, {"pinned_host"}), (6, {"device"})]
-    for name in ("state", "data"):
+    assert events == [False, False, False, True, False, (3, {"pinned_host"}), False,
+                      (6, {"device"})]  # fmt: skip
+    for name in ("state", "data", "progress"):
         item = lambda run_dir: checkpoint_item(run_dir, 3, name)  # noqa: E731
         assert tree_equal(item(tmp_path / "plain"), item(tmp_path / "copied"))
     shutil.rmtree(tmp_path / "copied" / "checkpoints" / "6")
