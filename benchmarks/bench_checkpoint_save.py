@@ -26,8 +26,9 @@ training; a step's time is the interval between its completion and the previous 
    slowdown and the pipeline's refill, reported as a fraction of one step (cost / T) and of
    the checkpoint interval (cost / (checkpoint.every_steps x T)); the verdict takes the worst
    save after the first (the first also sets Orbax's machinery up and compiles the copying
-   step: once per run; it is listed too). The first 8 step times meanwhile are listed too:
-   whether a save slows the step right after it or many.
+   step: once per run; it is listed too). The first 8 step times meanwhile are listed too
+   (whether a save slows the step right after it or many), and how long their dispatches held
+   the loop (a dispatch that waits, or a loop starved by the save's threads, idles the device).
 
 Each save writes into an emptied `--dir`, which must hold one copy of the state (its size is
 printed first; emptied before the step that precedes the save, outside the timing); the
@@ -63,13 +64,15 @@ class Pipeline:
         self._session, self._batch, self._mode = session, batch, mode
         self._in_flight = None
         self.last_done = time.perf_counter()  # when the last step waited for was complete
+        self.dispatch_s: list[float] = []  # how long each dispatch held the loop
 
     def step(self, copy_state: bool = False, then: Callable[[], None] | None = None):
         """Dispatches a step (`copy_state`: one that also copies its state to the host), calls
         `then`, then waits for the step before it; returns that one's time (since the completion
         before it), or None if none was in flight."""
-        previous = self._in_flight
+        previous, began = self._in_flight, time.perf_counter()
         self._in_flight = self._session.step_on_devices(self._batch, self._mode, copy_state)
+        self.dispatch_s.append(time.perf_counter() - began)
         if then is not None:
             then()
         return None if previous is None else self._wait(previous)
@@ -96,6 +99,7 @@ def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, st
     in the module doc."""
     pipeline.drain()
     start, held, during = pipeline.last_done, [], []
+    dispatches = len(pipeline.dispatch_s)
 
     def timed(save: Callable[[], None]) -> Callable[[], None]:
         def call():
@@ -123,7 +127,9 @@ def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, st
     return {"step": step, "blocked_s": blocked, "complete_s": complete,
             "steps_during": len(during), "cost_s": cost,
             "cost_of_step": cost / step_s,
-            "first_steps_ms": [round(t * 1e3, 1) for t in during[:8]]}  # fmt: skip
+            "first_steps_ms": [round(t * 1e3, 1) for t in during[:8]],
+            "first_dispatches_ms": [round(t * 1e3, 1)
+                                    for t in pipeline.dispatch_s[dispatches:dispatches + 8]]}  # fmt: skip
 
 
 def fresh_checkpoints(session: TrainingSession, directory: pathlib.Path) -> None:

@@ -28,10 +28,12 @@ class _FakePipeline:
 
     def __init__(self):
         self.last_done, self._in_flight, self.events = 100.0, False, []
+        self.dispatch_s = [0.5]  # a dispatch before the save, not listed
 
     def step(self, copy_state=False, then=None):
         previous, self._in_flight = self._in_flight, True
         self.events.append(copy_state)
+        self.dispatch_s.append(0.001)
         if then is not None:
             then()
         return self._done() if previous else None
@@ -67,6 +69,7 @@ def test_cost_is_the_saves_stretch_beyond_its_steps_time(monkeypatch):
     assert save["steps_during"] == 3  # 3 dispatched, drained after
     assert save["blocked_s"] == pytest.approx(0.5)  # the save call
     assert save["first_steps_ms"] == [1250.0] * 3
+    assert save["first_dispatches_ms"] == [1.0] * 3
     assert save["complete_s"] == pytest.approx(3 * 1.25)
     assert save["cost_s"] == pytest.approx(3 * 1.25 - 3 * 1.0)
     assert save["cost_of_step"] == pytest.approx(save["cost_s"] / 1.0)
