@@ -124,12 +124,12 @@ def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, st
         during.append(seconds)
     complete = pipeline.last_done - start if during else blocked  # synchronous: all blocked
     cost = complete - len(during) * step_s
+    dispatched = pipeline.dispatch_s[dispatches : dispatches + 8]
     return {"step": step, "blocked_s": blocked, "complete_s": complete,
             "steps_during": len(during), "cost_s": cost,
             "cost_of_step": cost / step_s,
             "first_steps_ms": [round(t * 1e3, 1) for t in during[:8]],
-            "first_dispatches_ms": [round(t * 1e3, 1)
-                                    for t in pipeline.dispatch_s[dispatches:dispatches + 8]]}  # fmt: skip
+            "first_dispatches_ms": [round(t * 1e3, 1) for t in dispatched]}  # fmt: skip
 
 
 def fresh_checkpoints(session: TrainingSession, directory: pathlib.Path) -> None:

@@ -79,10 +79,12 @@ class SaveRetry:
         self._retry_due = False
         self._guard(start or (lambda: self._save_state(step)))
 
-    def poll(self, step: int) -> None:
-        """Each step: notices a background save that has failed; retries once it may."""
+    def poll(self, step: int, retry: bool = True) -> None:
+        """Each step: notices a background save that has failed; retries once it may (`retry`
+        false: not at this step, e.g. while a save whose state a step copies is still to start:
+        that save is then the retry)."""
         self._guard(self._checkpoints.poll)
-        if self._retry_due and step > self._failed_step:
+        if retry and self._retry_due and step > self._failed_step:
             self.save(step)
 
     def finish(self, step: int) -> None:

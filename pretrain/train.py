@@ -190,7 +190,7 @@ def _loop(session, loader, writer, start: int, stop, run: RunConfig, evaluator, 
                     faults.flush()
                     saver.save(step)
                     saved = step
-            saver.poll(step)
+            saver.poll(step, retry=due is None and copied is None)  # no retry overtakes a copy
             bar.update(1)
     if copied is not None:  # stopped right after the copying step
         saved = _start_copied(saver, session, copied)

@@ -89,6 +89,23 @@ def test_failed_async_save_is_reported_retried_and_cleaned_up(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # Orbax's are dropped
 
 
+def test_a_failed_save_is_not_retried_ahead_of_a_save_whose_state_a_step_copies(
+    tmp_path, monkeypatch, capsys
+):
+    """checkpoint.copy_in_step: step 2's save fails in the background while step 4's waits for
+    its copy; no retry (a plain save of step 5) overtakes it: step 4's save is the retry, or if
+    step 2's failure surfaces only as step 4's save starts, the run's last save is."""
+    run = tiny_run(checkpoint={"async_save": True, "every_steps": 2, "copy_in_step": True})
+    _disk_full_when_saving(monkeypatch, lambda step, failed: step == 2)
+    summary = train(run, tmp_path / "run")
+    assert summary["end_step"] == 6
+    out = capsys.readouterr().out
+    failed = [line for line in out.splitlines() if "checkpoint save at step 2 failed" in line]
+    assert len(failed) == 1
+    assert _steps(tmp_path / "run") in ([4, 6], [6])
+    assert _leftovers(tmp_path / "run") == []
+
+
 def test_a_save_failing_again_after_its_retry_stops_with_exit_2(tmp_path, monkeypatch, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(to_mapping(tiny_run(checkpoint={"every_steps": 2}))))
