@@ -61,6 +61,15 @@ def _disk_full_when_saving(monkeypatch, failing):
     monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", save)
 
 
+def _train_with_a_failed_save(run, run_dir, step, monkeypatch, capsys) -> list[str]:
+    """Trains the 6-step `run` to its end with the save of `step` failing once; the lines that
+    report that failure."""
+    _disk_full_when_saving(monkeypatch, lambda at, failures: at == step and not failures)
+    assert train(run, run_dir)["end_step"] == 6
+    out = capsys.readouterr().out
+    return [line for line in out.splitlines() if f"checkpoint save at step {step} failed" in line]
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The tiny 6-step run, checkpoints at 3 and 6."""
@@ -73,11 +82,7 @@ def test_failed_async_save_is_reported_retried_and_cleaned_up(
     straight, tmp_path, monkeypatch, capsys, caplog
 ):
     run = tiny_run(checkpoint={"async_save": True, "every_steps": 2})
-    _disk_full_when_saving(monkeypatch, lambda step, failed: step == 4)
-    summary = train(run, tmp_path / "run")
-    assert summary["end_step"] == 6
-    out = capsys.readouterr().out
-    failed = [line for line in out.splitlines() if "checkpoint save at step 4 failed" in line]
+    failed = _train_with_a_failed_save(run, tmp_path / "run", 4, monkeypatch, capsys)
     assert len(failed) == 1
     assert "[Errno 28] No space left on device (injected)" in failed[0]
     assert failed[0].endswith(
@@ -96,12 +101,7 @@ def test_a_failed_save_is_not_retried_ahead_of_a_save_whose_state_a_step_copies(
     its copy; no retry (a plain save of step 5) overtakes it: step 4's save is the retry, or if
     step 2's failure surfaces only as step 4's save starts, the run's last save is."""
     run = tiny_run(checkpoint={"async_save": True, "every_steps": 2, "copy_in_step": True})
-    _disk_full_when_saving(monkeypatch, lambda step, failed: step == 2)
-    summary = train(run, tmp_path / "run")
-    assert summary["end_step"] == 6
-    out = capsys.readouterr().out
-    failed = [line for line in out.splitlines() if "checkpoint save at step 2 failed" in line]
-    assert len(failed) == 1
+    assert len(_train_with_a_failed_save(run, tmp_path / "run", 2, monkeypatch, capsys)) == 1
     assert _steps(tmp_path / "run") in ([4, 6], [6])
     assert _leftovers(tmp_path / "run") == []
 
