@@ -101,21 +101,19 @@ def one_save(session: TrainingSession, loader, pipeline: Pipeline, step: int, st
     start, held, during = pipeline.last_done, [], []
     dispatches = len(pipeline.dispatch_s)
 
-    def timed(save: Callable[[], None]) -> Callable[[], None]:
-        def call():
-            began = time.perf_counter()
-            save()
-            held.append(time.perf_counter() - began)
-
-        return call
+    def start_save(save: Callable[[], None]) -> None:  # held: how long the call held the loop
+        began = time.perf_counter()
+        save()
+        held.append(time.perf_counter() - began)
 
     if session.run.checkpoint.copy_in_step:  # as train.py: step + 1 copies the state, the save
         due = session.prepare_save(step, loader)  # starts once step + 2 is dispatched
         pipeline.step(copy_state=True)
         copied = session.take_state_copy(due)
-        during.append(pipeline.step(then=timed(lambda: session.start_copied_save(copied))))
+        then = lambda: start_save(lambda: session.start_copied_save(copied))  # noqa: E731
+        during.append(pipeline.step(then=then))
     else:
-        timed(lambda: session.save(step, loader))()
+        start_save(lambda: session.save(step, loader))
     blocked = held[0]
     while session.run.checkpoint.async_save and session.checkpoints.poll() is None:
         if (seconds := pipeline.step()) is not None:
