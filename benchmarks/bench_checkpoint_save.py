@@ -30,6 +30,10 @@ training; a step's time is the interval between its completion and the previous 
    (whether a save slows the step right after it or many), and how long their dispatches held
    the loop (a dispatch that waits, or a loop starved by the save's threads, idles the device).
 
+`--trace DIR` profiles the last save (its steps and Orbax's call) for `trace_summary --timeline`:
+whether the state's copies to host memory ran beside the steps' compute, and where the device
+idled.
+
 Each save writes into an emptied `--dir`, which must hold one copy of the state (its size is
 printed first; emptied before the step that precedes the save, outside the timing); the
 directory is removed at the end.
@@ -44,6 +48,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import jax
 
@@ -147,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", required=True, help="checkpoint directory (removed first)")
     parser.add_argument("--steps", type=int, default=10, help="steps timed alone")
     parser.add_argument("--saves", type=int, default=3, help="saves timed")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="profile the last save into DIR (a perfetto trace; read it with "
+                             "`python -m benchmarks.trace_summary DIR --timeline`)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="section.key=value, as m3-train takes them")
     args = parser.parse_args(argv)
     run = load_run_config(args.config, args.overrides)
@@ -172,11 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compile {compile_s:.1f} s; step alone: median {step_s * 1e3:.1f} ms over "
           f"{args.steps}", flush=True)  # fmt: skip
     saves, step = [], args.steps + 2
-    for _ in range(args.saves):
+    for index in range(args.saves):
         if saves:  # the directory emptied before the step that precedes the save, not timed
             fresh_checkpoints(session, directory)
             pipeline.run(1)
-        saves.append(one_save(session, loader, pipeline, step, step_s))
+        profiled = nullcontext()
+        if args.trace and index == args.saves - 1:
+            profiled = jax.profiler.trace(args.trace, create_perfetto_trace=True)
+        with profiled:
+            saves.append(one_save(session, loader, pipeline, step, step_s))
         step += saves[-1]["steps_during"] + 1
         print(json.dumps(saves[-1]), flush=True)
     session.checkpoints.close()

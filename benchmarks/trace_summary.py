@@ -1,7 +1,7 @@
 """Where a profiled program's device time goes: kernel time by name from a jax.profiler trace.
 
 Usage (a trace written by `jax.profiler.trace(dir, create_perfetto_trace=True)`):
-    python -m benchmarks.trace_summary DIR [--top 30] [--steps 3]
+    python -m benchmarks.trace_summary DIR [--top 30] [--steps 3] [--timeline]
 
 For each device it prints the time its kernels ran (summed, and as the union of their intervals,
 which differ where streams overlap) and the kernels that took most of it, divided by --steps;
@@ -13,6 +13,9 @@ each copy's largest origins. With `--hlo
 DUMP` (the program run under `XLA_FLAGS="--xla_dump_to=DUMP --xla_dump_hlo_as_text"`) each XLA
 fusion also gets the JAX op names it was fused from (`hlo_sources`), which name the model code
 (transposes of AD, `jvp`, the functions on the way) that a fusion's own name does not.
+With `--timeline` it prints instead each device stream's busy spans and its large host<->device
+copies in time order: whether a program's copies to host memory ran beside its compute
+(bench_checkpoint_save --trace writes such a trace of one save).
 """
 
 import argparse
@@ -156,6 +159,61 @@ def hlo_sources(dump_dir: str, width: int = 3) -> dict[str, str]:
     return sources
 
 
+_COPY_SIZE = re.compile(r"size:(\d+)")
+HOST_COPIES = ("MemcpyD2H", "MemcpyH2D")
+
+
+def timeline(trace_dir: str, device_prefix: str = "/device:GPU", gap_us: float = 2000,
+             min_copy_bytes: int = 10**7) -> dict[str, dict]:  # fmt: skip
+    """Per device stream (process name containing `device_prefix`, thread id): its busy spans
+    (events closer than `gap_us` merged: [start, end, busy µs, events], µs from the trace's
+    first event), and the host<->device copies of at least `min_copy_bytes` ([start, µs,
+    bytes, name, HLO op]): whether a program's copies to or from the host ran beside its
+    compute or before and after it."""
+    events, processes = load_events(trace_dir)
+    origin = min(e["ts"] for e in events)
+    streams = collections.defaultdict(list)
+    for event in events:
+        if device_prefix in processes.get(event["pid"], ""):
+            streams[(processes[event["pid"]], event.get("tid"))].append(event)
+    out = {}
+    for stream, stream_events in sorted(streams.items(), key=lambda kv: str(kv[0])):
+        spans, copies = [], []
+        for event in sorted(stream_events, key=lambda e: e["ts"]):
+            start, end = event["ts"] - origin, event["ts"] + event["dur"] - origin
+            if spans and start - spans[-1][1] <= gap_us:
+                span = spans[-1]
+                span[1], span[2], span[3] = max(span[1], end), span[2] + event["dur"], span[3] + 1
+            else:
+                spans.append([start, end, event["dur"], 1])
+            args = event.get("args") or {}
+            size = _COPY_SIZE.search(args.get("memcpy_details", ""))
+            if event["name"] in HOST_COPIES and size and int(size.group(1)) >= min_copy_bytes:
+                copies.append([start, event["dur"], int(size.group(1)), event["name"],
+                               args.get("hlo_op", "")])  # fmt: skip
+        out[f"{stream[0]} stream {stream[1]}"] = {"spans": spans, "copies": copies}
+    return out
+
+
+def timeline_report(streams: dict[str, dict], top: int = 40) -> str:
+    """`timeline` as text (ms): each stream's first `top` spans, then the large host copies of
+    all streams in time order."""
+    lines = []
+    for name, parts in streams.items():
+        busy = sum(span[2] for span in parts["spans"])
+        lines.append(f"{name}: {len(parts['spans'])} spans, busy {busy / 1e3:.1f} ms")
+        for start, end, micros, count in parts["spans"][:top]:
+            lines.append(f"  {start / 1e3:10.1f} -> {end / 1e3:10.1f} ms  busy {micros / 1e3:8.1f}"
+                         f" ms  {count} events")  # fmt: skip
+    copies = sorted((copy, name) for name, parts in streams.items() for copy in parts["copies"])
+    lines.append(f"host copies of the streams above: {len(copies)}")
+    for (start, micros, size, kind, op), name in copies:
+        rate = size / micros / 1e3 if micros else float("inf")
+        lines.append(f"  {start / 1e3:10.1f} ms +{micros / 1e3:7.1f} ms  {kind} "
+                     f"{size / 1e9:6.2f} GB ({rate:.1f} GB/s)  {op}  [{name}]")  # fmt: skip
+    return "\n".join(lines)
+
+
 def report(summary: dict[str, dict], steps: int = 1, top: int = 30,
            sources: dict[str, str] | None = None) -> str:  # fmt: skip
     """The summary as text; `sources` (`hlo_sources`) adds each fusion's op names below it."""
@@ -184,7 +242,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--device-prefix", default="/device:GPU")
     parser.add_argument("--hlo", metavar="DUMP", help="XLA's dump of the traced program")
+    parser.add_argument("--timeline", action="store_true",
+                        help="each device stream's busy spans and large host copies in time order "
+                             "instead of kernel totals")  # fmt: skip
     args = parser.parse_args()
+    if args.timeline:
+        print(timeline_report(timeline(args.trace_dir, args.device_prefix), args.top))
+        return
     sources = hlo_sources(args.hlo) if args.hlo else None
     print(report(summarize(args.trace_dir, args.device_prefix), args.steps, args.top, sources))
 

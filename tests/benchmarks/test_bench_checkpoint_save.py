@@ -126,7 +126,11 @@ def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save, copy_in_
     config.write_text(yaml.safe_dump(to_mapping(run)))
     directory = tmp_path / "checkpoints"
     argv = ["--config", str(config), "--dir", str(directory), "--steps", "2", "--saves", "2"]
+    trace = tmp_path / "trace"
+    if copy_in_step:  # the last save profiled, for trace_summary --timeline
+        argv += ["--trace", str(trace)]
     assert bench_checkpoint_save.main(argv) == 0
+    assert bool(list(trace.glob("**/perfetto_trace.json.gz"))) == copy_in_step
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [s["step"] for s in report["saves"]] == [4, 4 + report["saves"][0]["steps_during"] + 1]
     for save in report["saves"]:

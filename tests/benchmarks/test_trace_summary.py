@@ -125,3 +125,34 @@ def test_hlo_sources_name_each_fusion_by_the_jax_ops_fused_into_it(tmp_path):
     fusion = next(i for i, line in enumerate(lines) if "loop_multiply_fusion_3" in line)
     assert lines[fusion + 1].strip() == f"<- {sources['loop_multiply_fusion_3']}"
     assert "<-" not in lines[fusion + 2]  # the gemm has no fusion of its name
+
+
+def test_timeline_lists_spans_and_large_host_copies_in_time_order(tmp_path):
+    def copy(kind, start, duration, size, tid, op):
+        details = f"kind_src:device kind_dst:pinned size:{size} async:1"
+        return kernel(kind, start, duration, tid=tid, hlo_op=op, memcpy_details=details)
+
+    write_trace(
+        tmp_path,
+        [
+            kernel("fusion", 1000, 500),  # compute stream 7: two spans, 4 ms apart
+            kernel("gemm", 1600, 400),
+            kernel("fusion", 6000, 1000),
+            copy("MemcpyD2H", 3000, 2000, 10**8, 9, "copy-start.2"),  # 0.1 GB at 50 GB/s
+            copy("MemcpyD2H", 1000, 1000, 5 * 10**7, 8, "copy-start.1"),
+            copy("MemcpyD2H", 2000, 10, 1000, 8, "copy-start.3"),  # small: not listed
+            kernel("python", 0, 9000, pid=2),  # host
+        ],
+    )
+    streams = trace_summary.timeline(str(tmp_path), gap_us=2000)
+    assert set(streams) == {f"/device:GPU:0 stream {t}" for t in (7, 8, 9)}
+    # µs from the trace's first event (the host's, at 0)
+    spans = [[1000, 2000, 900, 2], [6000, 7000, 1000, 1]]  # [start, end, busy, events]
+    assert streams["/device:GPU:0 stream 7"]["spans"] == spans
+    assert streams["/device:GPU:0 stream 8"]["copies"] == [
+        [1000, 1000, 5 * 10**7, "MemcpyD2H", "copy-start.1"]
+    ]
+    text = trace_summary.timeline_report(streams)
+    listed = [line for line in text.splitlines() if "MemcpyD2H" in line]
+    assert len(listed) == 2 and "copy-start.1" in listed[0] and "copy-start.2" in listed[1]
+    assert "0.10 GB (50.0 GB/s)" in listed[1]
