@@ -171,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     loader = make_loader(run)
-    batch = jax.block_until_ready(session.put_batch(next(loader)))
-    mode = session.forward_mode(1)
+    host_batch = next(loader)
+    batch = jax.block_until_ready(session.put_batch(host_batch))
+    mode = session.mode_for(host_batch, session.forward_mode(1))  # as m3-train's steps take it
     pipeline = Pipeline(session, batch, mode)
     compile_s = pipeline.run(1)[0]
     pipeline.run(1)  # warm-up

@@ -185,6 +185,7 @@ def pipeline_alone(loader, batches: int) -> tuple[dict, Batch]:
 
 def step_alone(session: TrainingSession, batch: Batch, mode, steps: int) -> dict:
     """The jitted step on one batch already on the device: compile, warm-up, median of `steps`."""
+    mode = session.mode_for(batch, mode)  # the step the loop's `session.step` runs for it
     on_device = jax.block_until_ready(session.put_batch(batch))
     start = time.perf_counter()
     jax.block_until_ready(session.step_on_devices(on_device, mode))

@@ -66,6 +66,11 @@ class ForwardMode:
     indexer_loss: bool = False  # sparse layers report the indexer's KL (the loss the trainer adds)
     block_recall: bool = False  # sparse layers report how much of the dense top blocks they keep
     kv_cache: bool = False  # every layer returns its keys and values (and index keys): a prefill
+    # every row holds at most `attention_ops.documents_bound` runs of segment ids, checked on the
+    # host (`attention_ops.holds_few_documents`): the kernels' fallbacks for rows of more are left
+    # out of the program, and with them its conditionals, whose predicates XLA:GPU reads on the
+    # host (each step's dispatch then waits for the device; benchmarks/RESULTS.md, 2026-12-06)
+    few_documents: bool = False
 
 
 def _mean_over_tokens(x: jax.Array, valid: jax.Array) -> jax.Array:
@@ -137,7 +142,8 @@ class Attention(nnx.Module):
         if self.indexer is None:
 
             def dense(q, k, v, segment_ids, query_slots=None):
-                return attention_ops.dense(self.impl, q, k, v, segment_ids, query_slots=query_slots)
+                return attention_ops.dense(self.impl, q, k, v, segment_ids, query_slots=query_slots,
+                                           few_documents=mode.few_documents)  # fmt: skip
 
             out = self._on_devices(dense, (p.q,), (p.k, p.v), (inputs.segment_ids,))
         else:
@@ -200,7 +206,9 @@ class Attention(nnx.Module):
         """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""
         msa, segment_ids, positions = self.msa, inputs.segment_ids, inputs.positions
         q, k, v, index_q, index_k = p
-        backend = attention_ops.msa_backend(self.impl, msa, q, k, index_q, self.msa_kernels)
+        backend = attention_ops.msa_backend(
+            self.impl, msa, q, k, index_q, self.msa_kernels, few_documents=mode.few_documents
+        )
 
         def layer(q, index_q, k, v, index_k, segment_ids, positions, query_slots=None):
             out, kl, blocks = attention_ops.msa_layer(

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from types import ModuleType, SimpleNamespace
 
 import jax
+import numpy as np
 
 from m3jax.config import MSAConfig
 from pallas_kernels import target
@@ -42,6 +43,21 @@ from pallas_kernels.msa.reference import Student
 MSA_BACKENDS = {"reference": msa_reference, "xla": msa_xla, "pallas": msa_pallas}
 
 
+def documents_bound(seq: int, block_size: int) -> int:
+    """The most runs of segment ids a row of `seq` tokens may hold for every kernel here to run
+    it without its fallback: cuDNN's packed layout has `default_segments(seq)` slots, and the MSA
+    GPU kernels' tables hold the segments of rows of up to ceil(seq / block) + 2 documents
+    (`mosaic_backward.segment_bound`)."""
+    return min(attention_cudnn.default_segments(seq), -(-seq // block_size) + 2)
+
+
+def holds_few_documents(segment_ids: np.ndarray, block_size: int) -> bool:
+    """Whether every row of a host batch's segment_ids [B, T] has at most `documents_bound` runs
+    of equal ids (padding's run counted): `ForwardMode.few_documents` for the step that takes it."""
+    runs = 1 + (segment_ids[:, 1:] != segment_ids[:, :-1]).sum(axis=1)
+    return bool(runs.max() <= documents_bound(segment_ids.shape[1], block_size))
+
+
 def msa_backend(
     impl: str,
     msa: MSAConfig,
@@ -49,15 +65,19 @@ def msa_backend(
     k: jax.Array,
     index_q: jax.Array,
     gpu_settings: Sequence[str] = (),
+    few_documents: bool = False,
 ) -> ModuleType | SimpleNamespace:
     """The backend that runs an MSA layer with these operands under `attention_impl=impl` (a
-    module, or the GPU kernels' functions under `gpu_settings`: the model's `msa_kernels`)."""
+    module, or the GPU kernels' functions under `gpu_settings`: the model's `msa_kernels`;
+    few_documents: `ForwardMode.few_documents`, the GPU kernels without their fallback)."""
     if impl in ("reference", "xla"):
         return MSA_BACKENDS[impl]
     platform = target.platform()
     if impl == "auto" and platform not in ("gpu", "tpu"):
         return msa_xla
-    kernels = msa_tpu if platform == "tpu" else msa_pallas.configured(gpu_settings)
+    kernels = (
+        msa_tpu if platform == "tpu" else msa_pallas.configured(gpu_settings, few_documents)
+    )
     reason = kernels.unsupported_reason(q, k, index_q, block_size=msa.block_size)
     if impl == "pallas" and reason:
         raise ValueError(f"attention_impl='pallas' cannot run this MSA layer: {reason}")
@@ -73,10 +93,12 @@ def dense(
     *,
     causal=True,
     query_slots: jax.Array | None = None,
+    few_documents: bool = False,
 ) -> jax.Array:
     """Attention within documents -> out [B, S, H, Dh]: causal for full-attention layers,
     bidirectional within each segment (one image or video chunk) for the ViT. query_slots: [S],
-    the queries' slots in the key row (segment_ids [B, T]); None: S = T."""
+    the queries' slots in the key row (segment_ids [B, T]); None: S = T. few_documents:
+    `ForwardMode.few_documents` (cuDNN without its fallback for rows of more segments)."""
     if impl == "reference":
         query_segments = at_query_slots(segment_ids, query_slots)
         mask = query_segments[:, :, None] == segment_ids[:, None, :]
@@ -90,8 +112,9 @@ def dense(
         if impl == "pallas" and reason and target.platform() != "cpu":
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
+            bounded = {"bounded": few_documents} if kernels is attention_cudnn else {}
             return kernels.dense_attention(
-                q, k, v, segment_ids, causal=causal, query_slots=query_slots
+                q, k, v, segment_ids, causal=causal, query_slots=query_slots, **bounded
             )
     return attention_xla.dense_attention(
         q, k, v, segment_ids, causal=causal, query_slots=query_slots

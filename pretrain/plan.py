@@ -162,8 +162,10 @@ def compile_step(session: TrainingSession) -> tuple[int, dict[str, int], list[st
         session.abstract_state,
         session.state_shardings,
     )
-    # the session's own jitted step (shardings, donation): what m3-train compiles
-    compiled = session._step.lower(state, batch, session.forward_mode(1)).compile()
+    # the session's own jitted step (shardings, donation): what m3-train compiles for batches
+    # whose rows hold few documents (`ForwardMode.few_documents`: no kernel fallbacks)
+    mode = dataclasses.replace(session.forward_mode(1), few_documents=True)
+    compiled = session._step.lower(state, batch, mode).compile()
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
     return (

@@ -21,8 +21,10 @@ from batch_format.batch import Batch
 from data.mm_loader import modality_counts
 from m3jax import sharding
 from m3jax.attention import ForwardMode
+from m3jax.attention_ops import documents_bound, holds_few_documents
 from m3jax.config_loading import ConfigError
 from m3jax.model import Functional
+from pallas_kernels import target
 from pretrain.checkpoint_recovery import restore_newest_intact
 from pretrain.checkpointing import Checkpoints, abstract_with_shardings
 from pretrain.config import RunConfig
@@ -76,6 +78,7 @@ class TrainingSession:
         report: Callable[[str], None] = print,
     ):
         self.run, self.checkpoints, self.report = run, checkpoints, report
+        self._reported_many_documents = False  # `mode_for` says it once
         self.mesh = run_mesh(run)
         experts, expert_devices = run.model.moe.num_experts, self.mesh.shape[sharding.EXPERT_AXIS]
         if run.model.moe_layers and experts % expert_devices:
@@ -149,6 +152,23 @@ class TrainingSession:
         recall = every > 0 and step % every == 0
         return forward_mode(self.run.model, self.tokens_seen, block_recall=recall)
 
+    def mode_for(self, batch: Batch, mode: ForwardMode) -> ForwardMode:
+        """`mode` for a host batch: on one GPU process, `few_documents` where every row holds
+        few enough that the GPU kernels need no fallback, so the step has no conditional the host
+        waits on (the first batch of more compiles a second step, with them, and says so). Elsewhere
+        unset: other backends have no such fallback (it would only compile the step twice), and
+        in multi-process runs a process sees its own rows, where all must run the same program."""
+        if target.platform() != "gpu" or jax.process_count() > 1:
+            return mode
+        block_size = self.run.model.msa.block_size
+        few = holds_few_documents(np.asarray(batch.segment_ids), block_size)
+        if not few and not self._reported_many_documents:
+            self._reported_many_documents = True
+            bound = documents_bound(batch.segment_ids.shape[1], block_size)
+            self.report(f"a batch has a row of more than {bound} documents: its step compiles "
+                        "with the kernels' fallbacks (once)")  # fmt: skip
+        return dataclasses.replace(mode, few_documents=few)
+
     @property
     def msa_phase(self) -> str | None:
         return msa_phase(self.run.model, self.tokens_seen)
@@ -160,6 +180,7 @@ class TrainingSession:
         (`take_state_copy`), for a save that overlaps the step (`checkpoint.copy_in_step`)."""
         if batch.modality is not None:
             self.modality_tokens.update(modality_counts(batch))
+        mode = self.mode_for(batch, mode)
         metrics = self.step_on_devices(self.put_batch(batch), mode, copy_state)
         # counted while the (asynchronously dispatched) step runs
         return {**metrics, "model_flops_per_token": self.model_flops.per_token(batch, mode)}

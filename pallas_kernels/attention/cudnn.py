@@ -53,16 +53,19 @@ def dense_attention(
     causal: bool = True,
     max_segments: int | None = None,
     query_slots: jax.Array | None = None,
+    bounded: bool = False,
 ) -> jax.Array:
     """Attention within each segment -> out [B, S, H, Dh] (q [B, S, H, Dh], k/v [B, T, K, Dh],
     segment_ids [B, T]): the packed layout when every row has at most `max_segments` runs, else
     `fallback`'s. query_slots (reference.py; None: S = T): cuDNN runs the whole row, these
-    queries in their slots and zeros elsewhere (`through_whole_rows`)."""
+    queries in their slots and zeros elsewhere (`through_whole_rows`). bounded: the caller
+    checked that every row has at most `max_segments` runs; the fallback and its `lax.cond` are
+    left out (a row of more would lose its runs past the slots)."""
     seq = k.shape[1]
     max_segments = min(max_segments or default_segments(seq), seq)
     packed = functools.partial(packed_attention, max_segments=max_segments, causal=causal)
     packed = functools.partial(through_whole_rows, packed, query_slots=query_slots)
-    if max_segments == seq:  # every row fits
+    if max_segments == seq or bounded:  # every row fits
         return packed(q, k, v, segment_ids)
     too_many = segment_runs(segment_ids, 1)[2].max() > max_segments
     # rematerialised: under AD both branches return the same residuals, so the packed branch

@@ -101,6 +101,11 @@ class Config:
     # the student's logits (its LSE, the KL) on each of an entry's head rows: also the way of
     # windows of more segments than the slots hold
     kl_kernel: str = "slots"
+    # the caller checked that every row holds at most ceil(S / block) + 2 documents
+    # (m3jax/attention_ops.py: `holds_few_documents`), so no window has more segments than the
+    # Mosaic kernels' tables (`mosaic_backward.segment_bound`): their fallbacks and `lax.cond`s,
+    # whose predicates XLA:GPU reads on the host, are left out
+    few_documents: bool = False
 
     @property
     def uses_mosaic(self) -> bool:
@@ -135,13 +140,15 @@ class Config:
         return config
 
 
-def configured(settings: Sequence[str]) -> types.ModuleType | types.SimpleNamespace:
+def configured(
+    settings: Sequence[str], few_documents: bool = False
+) -> types.ModuleType | types.SimpleNamespace:
     """This backend with its kernels under the Config that `settings` name ('field=value', as
-    `Config.with_fields` takes them; the model's `msa_kernels`): the module itself where there are
-    none, else the same functions with that Config."""
-    if not settings:
+    `Config.with_fields` takes them; the model's `msa_kernels`) and `few_documents`: the module
+    itself where both are the defaults, else the same functions with that Config."""
+    if not settings and not few_documents:
         return sys.modules[__name__]
-    config = Config().with_fields(settings)
+    config = dataclasses.replace(Config().with_fields(settings), few_documents=few_documents)
     with_config = (top_blocks, sparse_attention, unsupported_reason)
     return types.SimpleNamespace(
         **{f.__name__: functools.partial(f, config=config) for f in with_config},
@@ -451,6 +458,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         if not (with_student and config.kl_kernel == "slots"):
             return run()
         bound = mosaic_backward.segment_bound(geo, tiling)
+        if config.few_documents:  # no window overflows the slots
+            return run(bound)
         return jax.lax.cond(lists.num_segments[0] > bound, run, functools.partial(run, bound))
 
     def mosaic_attention(geo, tiling, lists, valid, chunk_walk, keys, index_keys, segment_ids,
@@ -632,6 +641,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
                 gradients = functools.partial(mosaic_backward_window, keys, index_keys,
                                               segment_ids, lists)  # fmt: skip
                 fallback = functools.partial(triton_fallback, k, v, index_k, segments)
+                if config.few_documents:  # no window overflows the Mosaic tables
+                    return gradients(sums, window)
                 overflow = lists.num_segments[0] > bound
                 return jax.lax.cond(overflow, fallback, gradients, sums, window)
 

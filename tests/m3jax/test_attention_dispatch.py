@@ -70,6 +70,33 @@ def test_msa_kernel_settings_configure_the_gpu_kernels_only():
     assert attention_ops.msa_backend("xla", MSA, q, k, index_q, settings) is msa_xla
 
 
+def test_few_documents_is_a_bound_on_each_rows_runs_of_segment_ids():
+    """The host's check of a batch (`ForwardMode.few_documents`): every row at most as many runs
+    of equal ids (padding's run too) as both cuDNN's packed slots and the MSA kernels' tables
+    take."""
+    assert attention_ops.documents_bound(4096, 128) == 16  # cuDNN's 16 slots at 4K
+    assert attention_ops.documents_bound(32768, 128) == 32
+    assert attention_ops.documents_bound(131072, 128) == 8  # 2^20 / S slots past 32K
+    assert attention_ops.documents_bound(32768, 2048) == 18  # ceil(S / block) + 2 documents
+    rows = np.zeros((2, 4096), np.int32)
+    rows[0, :4000] = np.repeat(np.arange(1, 16), 267)[:4000]  # 15 documents, then padding
+    assert attention_ops.holds_few_documents(rows, 128)  # 16 runs
+    rows[1, 100:101] = 7  # 3 runs in the other row
+    assert attention_ops.holds_few_documents(rows, 128)
+    rows[0, 4095] = 99  # a 17th run
+    assert not attention_ops.holds_few_documents(rows, 128)
+
+
+def test_few_documents_reaches_the_gpu_kernels_config():
+    q, k, _, index_q, _ = operands()
+    with target.ahead_of_time([A_HOPPER]), \
+            mock.patch.object(msa_pallas, "_interpret", lambda interpret: False):  # fmt: skip
+        backend = attention_ops.msa_backend("auto", MSA, q, k, index_q, few_documents=True)
+        assert attention_ops.msa_backend("auto", MSA, q, k, index_q) is msa_pallas
+    assert backend.sparse_attention.keywords["config"].few_documents
+    assert attention_ops.msa_backend("xla", MSA, q, k, index_q, few_documents=True) is msa_xla
+
+
 def test_msa_kernel_settings_reach_the_model_layers_kernels():
     """The tiny model traced with `msa_kernels` that bound a window's shares to one byte (so a
     window is `min_window` queries): its 48 queries run in a loop of three windows of 16, where

@@ -136,6 +136,31 @@ def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups, kl_
     assert text.count("custom_call @mosaic_gpu") == forward + (2 if with_student else 1)
 
 
+@pytest.mark.parametrize("with_student", [False, True])
+def test_few_documents_leaves_the_fallbacks_and_their_conditionals_out(with_student):
+    """`Config.few_documents` (the host checked the rows' documents): the program lowered for
+    CUDA has no `lax.cond` (XLA:GPU reads a conditional's predicate on the host, so the step's
+    dispatch would wait for the device) and only the Mosaic kernels of windows that fit: the
+    attention pass, with a student the teacher pass and the student's kernel (the KL on slots),
+    then the gradients kernel and with a student the student's gradients."""
+    tiling = mosaic_forward.Tiling(segment_chunks=32)
+    config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic",
+                           mosaic_backward=tiling, few_documents=True)  # fmt: skip
+
+    def loss(q, k, v, blocks, segments, positions, *index):
+        out, kl = pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
+                                          student=index or None, config=config,
+                                          interpret=False)  # fmt: skip
+        return out.astype(jnp.float32).sum() + (0.0 if kl is None else kl.sum())
+
+    operands = cuda_operands(with_student)
+    differentiated = (0, 1, 2, 6, 7) if with_student else (0, 1, 2)
+    grad = jax.jit(jax.grad(loss, argnums=differentiated))
+    text = grad.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    assert text.count("custom_call @mosaic_gpu") == (3 + 2 if with_student else 1 + 1)
+
+
 def test_unsupported_reason_names_the_backward_limits():
     q, k, _, _, _, _ = inputs(4, 2, seq=8, batch=1)
     config = mosaic()

@@ -1,5 +1,6 @@
 """The training loop end to end: loss falls, resume is exact, signals checkpoint, bad input stops."""
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -17,9 +18,13 @@ import pytest
 import yaml
 
 from conftest import REPO
+from m3jax.attention_ops import documents_bound
 from m3jax.config_loading import to_mapping
+from m3jax.model import functional
 from pretrain.metrics import read_metrics
+from pallas_kernels import target
 from pretrain.checkpointing import Checkpoints
+from pretrain.data_loading import make_loader
 from pretrain.session import TrainingSession
 from pretrain.train import main, train
 from tiny import tiny_run
@@ -125,6 +130,30 @@ def test_a_save_from_the_next_step_s_copy_equals_the_plain_save(tmp_path, async_
     losses = [[r["loss"] for r in read_metrics(tmp_path / d / "metrics.jsonl")]
               for d in ("plain", "copied")]  # fmt: skip
     assert losses[0] == losses[1] and len(losses[0]) == 6
+
+
+def test_a_steps_mode_says_whether_its_batch_holds_few_documents():
+    """`ForwardMode.few_documents` comes from each host batch on a GPU: set where no row holds
+    more runs of segment ids than the kernels take without a fallback (`documents_bound`); the
+    first batch of more is reported once. Elsewhere the mode is left as it is."""
+    run = tiny_run()
+    lines = []
+    session = TrainingSession(functional(run.model), run, None, report=lines.append)
+    loader = make_loader(run)
+    batch = next(loader)
+    loader.close()
+    seq = batch.segment_ids.shape[1]
+    assert documents_bound(seq, run.model.msa.block_size) < seq  # a row can hold more
+    one_each = batch._replace(segment_ids=np.ones_like(batch.segment_ids))
+    alternating = batch._replace(segment_ids=1 + np.arange(seq) % 2 + 0 * batch.segment_ids)
+    mode = session.forward_mode(1)
+    assert session.mode_for(one_each, mode) is mode  # a CPU: no GPU kernel fallbacks to leave out
+    a_gpu = mock.Mock(platform="gpu", compute_capability="9.0", core_count=132)
+    with target.ahead_of_time([a_gpu]):
+        assert session.mode_for(one_each, mode) == dataclasses.replace(mode, few_documents=True)
+        assert not session.mode_for(alternating, mode).few_documents  # seq runs a row
+        assert not session.mode_for(alternating, mode).few_documents
+    assert len(lines) == 1 and "more than" in lines[0] and "fallbacks (once)" in lines[0]
 
 
 def checkpoint_item(run_dir, step, name):
