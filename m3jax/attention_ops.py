@@ -38,6 +38,7 @@ from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
 from pallas_kernels.msa import tpu as msa_tpu
 from pallas_kernels.msa import xla as msa_xla
+from pallas_kernels.msa.mosaic_backward import most_documents
 from pallas_kernels.msa.reference import Student
 
 MSA_BACKENDS = {"reference": msa_reference, "xla": msa_xla, "pallas": msa_pallas}
@@ -46,9 +47,8 @@ MSA_BACKENDS = {"reference": msa_reference, "xla": msa_xla, "pallas": msa_pallas
 def documents_bound(seq: int, block_size: int) -> int:
     """The most runs of segment ids a row of `seq` tokens may hold for every kernel here to run
     it without its fallback: cuDNN's packed layout has `default_segments(seq)` slots, and the MSA
-    GPU kernels' tables hold the segments of rows of up to ceil(seq / block) + 2 documents
-    (`mosaic_backward.segment_bound`)."""
-    return min(attention_cudnn.default_segments(seq), -(-seq // block_size) + 2)
+    GPU kernels' tables hold the segments of rows of up to `mosaic_backward.most_documents`."""
+    return min(attention_cudnn.default_segments(seq), most_documents(seq, block_size))
 
 
 def holds_few_documents(segment_ids: np.ndarray, block_size: int) -> bool:

@@ -97,15 +97,22 @@ def unsupported_reason(
     )
 
 
+def most_documents(seq: int, block_size: int) -> int:
+    """The most documents a row of `seq` tokens may hold for `segment_bound` to hold its
+    segments: blocks counted from each document's start are then at most ceil(S / block) plus
+    one per document."""
+    return -(-seq // block_size) + 2
+
+
 def segment_bound(geo: chunks.Geometry, tiling: Tiling) -> int:
     """Segments the per-segment sums make room for: the segments that continue a block's list
     (each after segment_chunks whole chunks of it, so at most E / (segment_chunks·chunk_queries))
     and the blocks' first segments, here at most 2·ceil(S / block) + 2 blocks per (row, kv head),
-    i.e. rows of up to ceil(S / block) + 2 documents, and never more than E. pallas.py runs a
+    i.e. rows of up to `most_documents` documents, and never more than E. pallas.py runs a
     window of more segments through the Triton backward (`sum_partials` would return NaN)."""
     continuing = geo.entries // (tiling.segment_chunks * geo.chunk_queries)
-    blocks = geo.batch * geo.num_kv_heads * (2 * -(-geo.seq // geo.block_size) + 2)
-    return min(geo.entries, continuing + blocks)
+    row_blocks = -(-geo.seq // geo.block_size) + most_documents(geo.seq, geo.block_size)
+    return min(geo.entries, continuing + geo.batch * geo.num_kv_heads * row_blocks)
 
 
 def sum_partials(geo: chunks.Geometry, table, num_segments, partials, bound: int, heads: int):

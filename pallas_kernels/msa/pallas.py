@@ -101,7 +101,7 @@ class Config:
     # the student's logits (its LSE, the KL) on each of an entry's head rows: also the way of
     # windows of more segments than the slots hold
     kl_kernel: str = "slots"
-    # the caller checked that every row holds at most ceil(S / block) + 2 documents
+    # the caller checked that every row holds at most `mosaic_backward.most_documents`
     # (m3jax/attention_ops.py: `holds_few_documents`), so no window has more segments than the
     # Mosaic kernels' tables (`mosaic_backward.segment_bound`): their fallbacks and `lax.cond`s,
     # whose predicates XLA:GPU reads on the host, are left out
