@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile the last save into DIR (a perfetto trace; read it with "
                              "`python -m benchmarks.trace_summary DIR --timeline`)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="section.key=value, as m3-train takes them")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     run = load_run_config(args.config, args.overrides)
     directory = pathlib.Path(args.dir)
     session = TrainingSession(functional(run.model), run, None)

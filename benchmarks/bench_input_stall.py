@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, help="seconds: shorten the loop to fit")
     parser.add_argument("--out", help="write the JSON report here (also after each phase)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, as m3-train takes them")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.workers is not None:
         overrides.append(f"data.workers={args.workers}")

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     add_debug_flag(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     return run_command("m3-plan", lambda: _plan_command(args), debug=args.debug)
 
 

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optimizer.lr=1e-3")
     add_flags(parser)
     add_debug_flag(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.config).stem}")
 
     def command() -> int:

@@ -120,15 +120,15 @@ def test_the_pipeline_dispatches_each_step_before_waiting_for_the_one_before(mon
 @pytest.mark.parametrize("async_save, copy_in_step", [(True, False), (False, False), (True, True)])
 def test_bench_checkpoint_save_end_to_end(tmp_path, capsys, async_save, copy_in_step):
     """With copy_in_step the step after each save's start copies the state (counted among the
-    steps meanwhile)."""
-    run = tiny_run(checkpoint={"async_save": async_save, "copy_in_step": copy_in_step})
+    steps meanwhile); overrides may come before options (as `m3-train`'s)."""
+    run = tiny_run(checkpoint={"async_save": async_save})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(to_mapping(run)))
     directory = tmp_path / "checkpoints"
     argv = ["--config", str(config), "--dir", str(directory), "--steps", "2", "--saves", "2"]
     trace = tmp_path / "trace"
     if copy_in_step:  # the last save profiled, for trace_summary --timeline
-        argv += ["--trace", str(trace)]
+        argv += ["checkpoint.copy_in_step=true", "--trace", str(trace)]
     assert bench_checkpoint_save.main(argv) == 0
     assert bool(list(trace.glob("**/perfetto_trace.json.gz"))) == copy_in_step
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
