@@ -27,6 +27,12 @@ GPUs, or N host devices on a CPU), e.g. at fixed rows per GPU on a machine of tw
         --variants "devices=1" "devices=2 mesh.data=2 data.batch_size=2" \
         "devices=2 mesh.expert=2 data.batch_size=2"
 
+An `xla_…=value` token runs its variant in a process of its own that starts XLA with that flag
+(`--xla_…=value` in XLA_FLAGS, which XLA reads once), so that one command compares XLA flags:
+
+    python -m benchmarks.bench_train --config configs/bench-h200.yaml \
+        --variants "" "xla_gpu_enable_dynamic_slice_fusion=false"
+
 The device's peak-memory counter only grows within a process, so in one process a variant's peak
 is the largest so far. `--isolate` runs each variant in a process of its own (this module, one
 variant, one after the other on the same device): peaks of their own, and a variant that runs
@@ -39,7 +45,6 @@ import functools
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import tempfile
@@ -104,7 +109,9 @@ def host_rows(run: RunConfig, rows: str, document_tokens: int) -> Batch:
 
 
 KERNELS = "kernels."
-DEVICES = "devices="  # a variant's device count: its own process sees that many (`device_env`)
+DEVICES = "devices="  # a variant's device count: its own process sees that many (`child_env`)
+XLA_FLAG = "xla_"  # a variant's XLA flag, e.g. xla_gpu_enable_dynamic_slice_fusion=false: its
+# own process starts XLA with --xla_gpu_enable_dynamic_slice_fusion=false (`child_env`)
 
 
 def with_kernel_pins(run: RunConfig, pins: list[str]) -> RunConfig:
@@ -126,7 +133,7 @@ def time_variant(
     rows: str = "synthetic",
 ) -> dict:
     kernels = [o for o in overrides if o.startswith(KERNELS)]
-    overrides = [o for o in overrides if not o.startswith((KERNELS, DEVICES))]
+    overrides = [o for o in overrides if not o.startswith((KERNELS, DEVICES, XLA_FLAG))]
     run = with_kernel_pins(load_run_config(config_path, overrides), kernels)
     with tempfile.TemporaryDirectory() as scratch:  # the session's checkpoints: none are saved
         checkpoints = Checkpoints(pathlib.Path(scratch), run.checkpoint)
@@ -202,7 +209,7 @@ def main() -> None:
                              "sequences after the first that does not fit)")
     parser.add_argument("--isolate", action="store_true",
                         help="each variant in a process of its own (its own peak memory)")
-    # set by isolated_variant: time the variant here, whatever its devices= or --isolate
+    # set by isolated_variant: time the variant here, whatever its tokens or --isolate
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.profile:  # the fusions' op names for the kernel list (before any backend starts)
@@ -211,7 +218,8 @@ def main() -> None:
     xla_flags.apply()  # before the first backend starts
     rows = []
     for index, variant in enumerate(args.variants):
-        isolate = (args.isolate or variant_devices(variant)) and not args.child
+        own_process = variant_devices(variant) or variant_xla_flags(variant)
+        isolate = (args.isolate or own_process) and not args.child
         measure = isolated_variant if isolate else variant_row
         row = measure(args, variant, profile=args.profile if index == 0 else None)
         if rows and "tokens_per_s" in row and "tokens_per_s" in rows[0]:
@@ -246,19 +254,27 @@ def variant_devices(variant: str) -> int | None:
     return counts[-1] if counts else None
 
 
+def variant_xla_flags(variant: str) -> list[str]:
+    """The XLA flags a variant's `xla_…=value` tokens ask for, as XLA_FLAGS spells them."""
+    return [f"--{t}" for t in variant.split() if t.startswith(XLA_FLAG)]
+
+
 def per_device(row: dict) -> float:
     return row["tokens_per_s"] / row.get("devices", 1)
 
 
-def device_env(count: int | None) -> dict:
-    """The environment of a child process that sees `count` devices: the first `count` GPUs,
-    or `count` host devices where there are none (CPU tests); this one's when None."""
-    env = dict(os.environ)
-    if count:
-        flags = env.get("XLA_FLAGS", "")
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+def child_env(variant: str) -> dict:
+    """The environment of a variant's own process: with `devices=N` it sees the first N GPUs (or
+    N host devices where there are none, CPU tests); its XLA flags join XLA_FLAGS, each in place
+    of the same flag's value there; this one's otherwise."""
+    env, flags = dict(os.environ), variant_xla_flags(variant)
+    if count := variant_devices(variant):
+        flags.append(f"--xla_force_host_platform_device_count={count}")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(count))
+    if flags:
+        names = {flag.split("=")[0] for flag in flags}
+        kept = [f for f in env.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names]
+        env["XLA_FLAGS"] = " ".join(kept + flags)
     return env
 
 
@@ -292,7 +308,7 @@ def isolated_variant(args: argparse.Namespace, variant: str, profile: str | None
                "--steps", str(args.steps), "--document-tokens", str(args.document_tokens),
                "--rows", args.rows, "--child", "--variants", variant]  # fmt: skip
     command += ["--profile", profile] if profile else []
-    env = device_env(variant_devices(variant))
+    env = child_env(variant)
     child = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = child.stdout.strip().splitlines()
     # its matmul rate and profile (its row comes back as this process's)

@@ -119,12 +119,14 @@ def test_isolated_variants_run_one_child_each_and_report_a_dead_childs_last_word
 
 def test_a_variant_of_n_devices_runs_in_a_child_that_sees_n(monkeypatch, capsys):
     """`devices=N`: the variant's own process sees N devices (the first N GPUs, or N host devices:
-    the count replaces any already in XLA_FLAGS); vs first compares tokens/s per device."""
+    the count replaces any already in XLA_FLAGS); vs first compares tokens/s per device. An
+    `xla_…` token: the variant's own process (without --isolate) starts XLA with that flag, in
+    place of the same flag's value in XLA_FLAGS."""
     seen = []
 
     def fake_run(command, env, **_):
         seen.append((command, env))
-        devices = bench_train.variant_devices(command[command.index("--variants") + 1])
+        devices = bench_train.variant_devices(command[command.index("--variants") + 1]) or 1
         row = {"variant": "v", "tokens_per_s": 1000.0 * devices * (0.9 if devices > 1 else 1),
                "devices": devices, "step_ms": 10.0, "mfu_989": 0.1, "of_matmul_rate": 0.2,
                "peak_gb": 1.0, "first_loss": 2.0, "last_loss": 1.0}  # fmt: skip
@@ -132,30 +134,37 @@ def test_a_variant_of_n_devices_runs_in_a_child_that_sees_n(monkeypatch, capsys)
 
     monkeypatch.setattr(bench_train.subprocess, "run", fake_run)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_other=1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     argv = ["bench_train", "--config", "c.yaml",
-            "--variants", "devices=1", "devices=2 mesh.data=2 data.batch_size=2"]  # fmt: skip
+            "--variants", "devices=1", "devices=2 mesh.data=2 data.batch_size=2",
+            "xla_other=2 xla_gpu_flag=false"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     bench_train.main()
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     envs = [env for _, env in seen]
-    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["0", "0,1"]
+    assert [env.get("CUDA_VISIBLE_DEVICES") for env in envs] == ["0", "0,1", None]
     flags = envs[1]["XLA_FLAGS"].split()
     assert "--xla_other=1" in flags
     assert [f for f in flags if "device_count" in f] == ["--xla_force_host_platform_device_count=2"]
+    flags = envs[2]["XLA_FLAGS"].split()
+    assert "--xla_other=2" in flags and "--xla_other=1" not in flags
+    assert "--xla_gpu_flag=false" in flags
     assert all("--child" in command for command, _ in seen)
     assert rows[1]["vs_first"] == pytest.approx(0.9)
+    assert bench_train.variant_xla_flags("model.remat=none xla_a=1") == ["--xla_a=1"]
 
 
 def test_a_variant_trains_on_a_mesh_of_the_devices_it_sees(tmp_path):
     """In-process (4 host devices under the tests): m3-train's session, state sharded over
-    data × expert, finite losses; per-device figures over all four."""
+    data × expert, finite losses; per-device figures over all four (the variant's devices= and
+    xla_… tokens are its process's, not config overrides)."""
     import yaml
     from tiny import TINY
 
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
-    row = bench_train.time_variant(str(config), ["mesh.data=2", "mesh.expert=2", "devices=4"],
-                                   steps=2, document_tokens=12)  # fmt: skip
+    variant = ["mesh.data=2", "mesh.expert=2", "devices=4", "xla_other=1"]
+    row = bench_train.time_variant(str(config), variant, steps=2, document_tokens=12)
     assert row["devices"] == 4 and row["mesh"]["data"] == 2 and row["mesh"]["expert"] == 2
     assert row["finite"] and row["tokens"] == 4 * 32 and row["step_ms"] > 0
 
