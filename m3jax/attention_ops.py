@@ -106,15 +106,19 @@ def dense(
             mask = document_causal_mask(segment_ids, query_slots)
         return gqa_attention(q, k, v, mask[:, None, None])
     if impl in ("pallas", "auto"):
-        kernels = attention_splash if target.platform() == "tpu" else attention_cudnn
+        # splash has no fallback to leave out; cuDNN's is left out for rows of few documents
+        kernels, options = (
+            (attention_splash, {})
+            if target.platform() == "tpu"
+            else (attention_cudnn, {"bounded": few_documents})
+        )
         reason = kernels.unsupported_reason(q, k)
         # on a CPU, "pallas" interprets the MSA kernels; cuDNN and splash have no interpreter
         if impl == "pallas" and reason and target.platform() != "cpu":
             raise ValueError(f"attention_impl='pallas' cannot run this dense attention: {reason}")
         if not reason:
-            bounded = {"bounded": few_documents} if kernels is attention_cudnn else {}
             return kernels.dense_attention(
-                q, k, v, segment_ids, causal=causal, query_slots=query_slots, **bounded
+                q, k, v, segment_ids, causal=causal, query_slots=query_slots, **options
             )
     return attention_xla.dense_attention(
         q, k, v, segment_ids, causal=causal, query_slots=query_slots
