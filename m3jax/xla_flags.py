@@ -7,6 +7,12 @@ starts); importing m3jax sets nothing.
   bandwidth (EP=2 at 0.09 of one H200's throughput; slow ragged-all-to-all on one host is
   reported upstream as openxla/xla#33386); the decomposer rewrites it into a dense all-to-all and
   slices (0.61–0.65 with the same benchmark, benchmarks/RESULTS.md). Other backends ignore it.
+- `--xla_gpu_enable_dynamic_slice_fusion=false`: XLA:GPU wraps some Mosaic GPU kernels of the MSA
+  layers (those reading a dynamic slice of the layer scan's stacks) in dynamic-slice fusions,
+  which serialised one that otherwise ran asynchronously beside the compute: the step without
+  conditionals was 1.3 % slower with them (H100, bench-h200 cut to 6 layers, real text: 677.7
+  against 670.3 ms in one run; the tree before that step, 668.9 ms; benchmarks/RESULTS.md,
+  2026-12-06). Slices are then copied out instead (≈ 2 GB more temporaries in the plan).
 
 Environment beside XLA_FLAGS, same rule (a value the user set is kept):
 - `XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`: jax's GPU client preallocates 75 % of device memory by
@@ -21,7 +27,10 @@ once, when the first backend starts: `apply()` after running a computation has n
 
 import os
 
-FLAGS = {"--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": "true"}
+FLAGS = {
+    "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": "true",
+    "--xla_gpu_enable_dynamic_slice_fusion": "false",
+}
 ENVIRONMENT = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from batch_format.batch import make_batch
-from m3jax import cost_model, sharding
+from m3jax import cost_model, sharding, xla_flags
 from m3jax.model import functional
 from pallas_kernels import target
 from pretrain import gpu_target, hlo_collectives
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan_command(args) -> int:
     if args.target == "h200":
+        xla_flags.apply()  # m3-train's XLA flags: the program it would compile
         gpu_target.start_without_gpu()  # before any backend starts
         with gpu_target.compiling_for(gpu_target.h200_devices(args.devices)):
             return _plan_devices(args)
