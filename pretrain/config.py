@@ -159,9 +159,10 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
-    # A save (but the run's last and one on a stop) takes its state from the next step, which
-    # copies the state it starts from to pinned host memory beside its compute (a second compiled
-    # step), instead of Orbax copying it before that step starts
+    # A save (but the run's last and one on a stop) takes its state from the next step: the state
+    # that step starts from is copied to pinned host memory while it computes (a second compiled
+    # step, undonated, where a second state fits the device; else the copy goes first), instead
+    # of Orbax copying it before that step starts
     copy_in_step: bool = False
     # An unreadable latest checkpoint: restore the newest intact older one (false: stop instead)
     restore_older_if_corrupt: bool = True

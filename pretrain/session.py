@@ -105,6 +105,7 @@ class TrainingSession:
         self._use_schedule(horizon)
         self.state = None
         self._state_copy = None  # (host copy, finite flags) of the state a copying step began from
+        self._copy_source = None  # that copy while its source state is held beside the next step
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
         self.faults = FaultMonitor(run, report)  # skipped steps (all sessions), loss spikes
         self.modality_tokens = collections.Counter()  # this session's tokens by modality
@@ -176,8 +177,10 @@ class TrainingSession:
     def step(self, batch: Batch, mode: ForwardMode, copy_state: bool = False) -> dict:
         """One optimizer step on a host batch; returns its metrics as (unfetched) device arrays,
         plus the batch's training FLOPs per token (`model_flops_per_token`, a host float).
-        copy_state: the step also copies the state it starts from to host memory
-        (`take_state_copy`), for a save that overlaps the step (`checkpoint.copy_in_step`)."""
+        copy_state: the state the step starts from is also copied to host memory
+        (`take_state_copy`), for a save that overlaps the step (`checkpoint.copy_in_step`): by
+        the device's transfer stream beside the step's compute, the step undonated
+        (`_step_keeping_state`); the next step waits for the copy, which frees that state."""
         if batch.modality is not None:
             self.modality_tokens.update(modality_counts(batch))
         mode = self.mode_for(batch, mode)
@@ -199,9 +202,19 @@ class TrainingSession:
     def step_on_devices(self, batch: Batch, mode: ForwardMode, copy_state: bool = False) -> dict:
         """One optimizer step on a batch already on the devices (`put_batch`); modality counts are
         left to `step`. benchmarks/bench_input_stall.py times the step alone through this."""
+        if self._copy_source is not None:  # its state is freed once copied: room for this step
+            jax.block_until_ready(self._copy_source)
+            self._copy_source = None
         if copy_state:
-            self.state, metrics, *copied = self._copying_step(self.state, batch, mode)
-            self._state_copy = tuple(copied)
+            finite = self._finite_leaves(self.state)
+            copy = jax.device_put(self.state, self._on_host)  # a transfer stream, beside the step
+            keeping = self._step_keeping_state(batch, mode)
+            if keeping is None:  # the donating step waits for the copy of what it overwrites
+                self.state, metrics = self._step(self.state, batch, mode)
+            else:
+                self.state, metrics = keeping(self.state, batch)
+                self._copy_source = copy
+            self._state_copy = (copy, finite)
         else:
             self.state, metrics = self._step(self.state, batch, mode)
         self.tokens_seen += batch.tokens.size  # global B·S
@@ -256,16 +269,45 @@ class TrainingSession:
             donate_argnums=0,
         )
         self._step = jitted(train_step, out_shardings=(self.state_shardings, replicated))
-        # compiled at its first use: the state it starts from goes to pinned host memory inside
-        # the step, whose device-to-host copies XLA issues asynchronously beside its compute
-        on_host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self.state_shardings)
-        self._copying_step = jitted(
-            _also_returning_its_input(train_step),
-            out_shardings=(self.state_shardings, replicated, on_host, replicated),
+        self._undonated_step = jax.jit(
+            train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated), static_argnums=2,
+        )  # fmt: skip
+        self._keeping: dict[ForwardMode, object] = {}  # mode -> compiled undonated step or None
+        self._on_host = jax.tree.map(
+            lambda s: s.with_memory_kind("pinned_host"), self.state_shardings
         )
+        self._finite_leaves = jax.jit(finite_leaves)
+
+    def _step_keeping_state(self, batch: Batch, mode: ForwardMode):
+        """The step compiled without donating the state, for the step beside a save's copy of
+        that state (compiled at the first such step of a mode), or None where its program (a
+        second state, fewer temporaries) does not fit the smallest device pool of this process;
+        then the donating step runs, after the copy."""
+        if mode not in self._keeping:
+            compiled = self._undonated_step.lower(self.state, batch, mode).compile()
+            memory = compiled.memory_analysis()
+            needed = sum(
+                getattr(memory, f"{kind}_size_in_bytes") for kind in ("argument", "output", "temp")
+            )
+            pool = smallest_device_pool()
+            fits = pool is None or needed <= pool
+            if not fits:
+                self.report(f"a save's copy does not overlap its step: the undonated step "
+                            f"needs {needed / 1e9:.1f} GB of a {pool / 1e9:.1f} GB device "
+                            "pool")  # fmt: skip
+            self._keeping[mode] = compiled if fits else None
+        return self._keeping[mode]
 
     def _state_shardings(self) -> dict:
         return state_shardings(self.model, self.optimizer, self.abstract_state, self.mesh)
+
+
+def smallest_device_pool() -> int | None:
+    """Bytes of the smallest memory pool among this process' devices (None where no device
+    reports one, as on CPU)."""
+    pools = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+    return min(filter(None, pools), default=None)
 
 
 def state_shardings(model: Functional, optimizer, abstract_state: dict, mesh) -> dict:
@@ -287,16 +329,6 @@ def state_shardings(model: Functional, optimizer, abstract_state: dict, mesh) ->
         "buffers": sharding.tree_shardings(model.buffer_axes, abstract_state["buffers"], mesh),
         "opt_state": opt_state,
     }
-
-
-def _also_returning_its_input(train_step: Callable) -> Callable:
-    """train_step(state, batch, mode) -> (state, metrics) as one that also returns the state it
-    was given (placed by the jit's out_shardings) and whether each of its leaves is finite."""
-
-    def step(state, batch, mode):
-        return (*train_step(state, batch, mode), state, finite_leaves(state))
-
-    return step
 
 
 def progress(run: RunConfig, tokens_seen: int) -> dict:

@@ -12,6 +12,7 @@ import time
 from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -25,6 +26,7 @@ from pretrain.metrics import read_metrics
 from pallas_kernels import target
 from pretrain.checkpointing import Checkpoints
 from pretrain.data_loading import make_loader
+from pretrain import session as session_module
 from pretrain.session import TrainingSession
 from pretrain.train import main, train
 from tiny import tiny_run
@@ -130,6 +132,32 @@ def test_a_save_from_the_next_step_s_copy_equals_the_plain_save(tmp_path, async_
     losses = [[r["loss"] for r in read_metrics(tmp_path / d / "metrics.jsonl")]
               for d in ("plain", "copied")]  # fmt: skip
     assert losses[0] == losses[1] and len(losses[0]) == 6
+
+
+@pytest.mark.parametrize("pool", [None, 1])
+def test_the_step_beside_a_copy_keeps_its_state_where_it_fits(monkeypatch, pool):
+    """The step beside a save's copy of its state runs undonated where that program fits the
+    device pool (the state stays alive while copied); where it does not, the donating step runs
+    after the copy and the run says why. Either way the copy is the state the step began from."""
+    monkeypatch.setattr(session_module, "smallest_device_pool", lambda: pool)
+    run, lines = tiny_run(checkpoint={"copy_in_step": True}), []
+    session = TrainingSession(functional(run.model), run, None, report=lines.append)
+    session.initialize()
+    loader = make_loader(run)
+    session.step(next(loader), session.forward_mode(1))
+    began = session.state
+    expected = jax.device_get(jax.tree.map(jnp.copy, began))  # no host view of `began`'s buffers
+    due = session.prepare_save(1, loader)
+    session.step(next(loader), session.forward_mode(2), copy_state=True)
+    copied = session.take_state_copy(due)
+    assert tree_equal(jax.device_get(copied.state), expected)
+    assert all(jax.device_get(jax.tree.leaves(copied.finite)))
+    deleted = {x.is_deleted() for x in jax.tree.leaves(began) if isinstance(x, jax.Array)}
+    assert deleted == {pool is not None}
+    assert any("does not overlap its step" in line for line in lines) == (pool is not None)
+    session.step(next(loader), session.forward_mode(3))  # waits for the copy where it kept it
+    assert not tree_equal(jax.device_get(session.state["params"]), expected["params"])
+    loader.close()
 
 
 def test_a_steps_mode_says_whether_its_batch_holds_few_documents():
