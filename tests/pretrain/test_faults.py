@@ -109,8 +109,8 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
 
 
 def test_a_non_finite_state_copied_by_a_step_is_never_saved(tmp_path):
-    """checkpoint.copy_in_step: the step that copies the state also tells whether each of its
-    leaves is finite; the save of a copy holding infinity is refused as the plain one."""
+    """checkpoint.copy_in_step: the copy comes with whether each leaf of the state it copied is
+    finite; the save of a copy holding infinity is refused as the plain one."""
     run = tiny_run(checkpoint={"copy_in_step": True})
     session = TrainingSession(functional(run.model), run, Checkpoints(tmp_path, run.checkpoint))
     session.initialize()

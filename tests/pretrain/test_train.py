@@ -100,7 +100,7 @@ def test_train_resume_matches_uninterrupted_run(tmp_path):
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_save_from_the_next_step_s_copy_equals_the_plain_save(tmp_path, async_save):
     """checkpoint.copy_in_step: step 3's state comes from the copy that step 4 makes of the state
-    it starts from (pinned host memory, inside the step), saved once step 5 is dispatched; the
+    it starts from (pinned host memory, beside the step), saved once step 5 is dispatched; the
     checkpoint equals the plain save's in every leaf, its data position and progress, and a run
     resumed from it trains on alike. The run's last save (step 6) is a plain one."""
     checkpoint = {"async_save": async_save}
