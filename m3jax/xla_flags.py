@@ -10,7 +10,7 @@ starts); importing m3jax sets nothing.
 - `--xla_gpu_enable_dynamic_slice_fusion=false`: XLA:GPU wraps some Mosaic GPU kernels of the MSA
   layers (those reading a dynamic slice of the layer scan's stacks) in dynamic-slice fusions,
   which serialised one that otherwise ran asynchronously beside the compute: the step without
-  conditionals was 1.3 % slower with them (H100, bench-h200 cut to 6 layers, real text: 677.7
+  conditionals was 1.1 % slower with them (H100, bench-h200 cut to 6 layers, real text: 677.7
   against 670.3 ms in one run; the tree before that step, 668.9 ms; benchmarks/RESULTS.md,
   2026-12-06). Slices are then copied out instead (≈ 2 GB more temporaries in the plan).
 
