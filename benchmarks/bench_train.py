@@ -302,8 +302,8 @@ def variant_row(args: argparse.Namespace, variant: str, profile: str | None) -> 
 
 def isolated_variant(args: argparse.Namespace, variant: str, profile: str | None) -> dict:
     """One variant timed by a child process of this module (in `child_env`: the devices its
-    `devices=N` asks for, its XLA flags): its row (the child's last stdout line), or the child's last words when it died
-    without one."""
+    `devices=N` asks for, its XLA flags): its row (the child's last stdout line), or the child's
+    last words when it died without one."""
     command = [sys.executable, "-m", "benchmarks.bench_train", "--config", args.config,
                "--steps", str(args.steps), "--document-tokens", str(args.document_tokens),
                "--rows", args.rows, "--child", "--variants", variant]  # fmt: skip

@@ -286,10 +286,9 @@ class TrainingSession:
         then the donating step runs, after the copy."""
         if mode not in self._keeping:
             compiled = self._undonated_step.lower(self.state, batch, mode).compile()
-            memory = compiled.memory_analysis()
-            needed = sum(
-                getattr(memory, f"{kind}_size_in_bytes") for kind in ("argument", "output", "temp")
-            )
+            memory = compiled.memory_analysis()  # nothing aliased: inputs and outputs both held
+            needed = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                      + memory.temp_size_in_bytes)  # fmt: skip
             pool = smallest_device_pool()
             fits = pool is None or needed <= pool
             if not fits:
