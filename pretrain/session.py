@@ -105,7 +105,7 @@ class TrainingSession:
         self._use_schedule(horizon)
         self.state = None
         self._state_copy = None  # (host copy, finite flags) of the state a copying step began from
-        self._copy_source = None  # (that copy, its source state) while the source is held
+        self._copy_source = None  # that copy while its source state is held beside the next step
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
         self.faults = FaultMonitor(run, report)  # skipped steps (all sessions), loss spikes
         self.modality_tokens = collections.Counter()  # this session's tokens by modality
@@ -180,8 +180,7 @@ class TrainingSession:
         copy_state: the state the step starts from is also copied to host memory
         (`take_state_copy`), for a save that overlaps the step (`checkpoint.copy_in_step`): by
         the device's transfer stream beside the step's compute, the step undonated
-        (`_step_keeping_state`); the next step waits for the copy and this step, then frees
-        that state (`_free_copied_state`)."""
+        (`_step_keeping_state`); the next step waits for the copy, which frees that state."""
         if batch.modality is not None:
             self.modality_tokens.update(modality_counts(batch))
         mode = self.mode_for(batch, mode)
@@ -203,8 +202,9 @@ class TrainingSession:
     def step_on_devices(self, batch: Batch, mode: ForwardMode, copy_state: bool = False) -> dict:
         """One optimizer step on a batch already on the devices (`put_batch`); modality counts are
         left to `step`. benchmarks/bench_input_stall.py times the step alone through this."""
-        if self._copy_source is not None:
-            self._free_copied_state()
+        if self._copy_source is not None:  # its state is freed once copied: room for this step
+            jax.block_until_ready(self._copy_source)
+            self._copy_source = None
         if copy_state:
             finite = self._finite_leaves(self.state)
             copy = jax.device_put(self.state, self._on_host)  # a transfer stream, beside the step
@@ -212,8 +212,8 @@ class TrainingSession:
             if keeping is None:  # the donating step waits for the copy of what it overwrites
                 self.state, metrics = self._step(self.state, batch, mode)
             else:
-                self._copy_source = (copy, self.state)
                 self.state, metrics = keeping(self.state, batch)
+                self._copy_source = copy
             self._state_copy = (copy, finite)
         else:
             self.state, metrics = self._step(self.state, batch, mode)
@@ -221,18 +221,6 @@ class TrainingSession:
         if mode.indexer_loss:
             metrics["msa_warmup"] = float(mode.msa_dense)  # 1 while sparse layers attend densely
         return metrics
-
-    def _free_copied_state(self) -> None:
-        """Frees the state an undonated step began from before the next step allocates: waits
-        for its copy and for that step, then deletes it. Left to the runtime, a buffer read on
-        two streams (the step's, the copy's) is freed by a callback after both finish, while the
-        next step, dispatched ahead, already wants its temporaries beside two states (found as
-        an out-of-memory error on an H100, benchmarks/RESULTS.md)."""
-        copy, source = self._copy_source
-        jax.block_until_ready((copy, self.state))
-        for leaf in jax.tree.leaves(source):
-            leaf.delete()
-        self._copy_source = None
 
     def save(self, step: int, loader, data_state: dict | None = None) -> None:
         """Starts saving the state at `step` with the loader's position (or `data_state`, the

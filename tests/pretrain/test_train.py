@@ -156,8 +156,6 @@ def test_the_step_beside_a_copy_keeps_its_state_where_it_fits(monkeypatch, pool)
     assert deleted == {pool is not None}
     assert any("does not overlap its step" in line for line in lines) == (pool is not None)
     session.step(next(loader), session.forward_mode(3))  # waits for the copy where it kept it
-    assert all(x.is_deleted() for x in jax.tree.leaves(began) if isinstance(x, jax.Array))
-    assert tree_equal(jax.device_get(copied.state), expected)  # the save reads it after this
     assert not tree_equal(jax.device_get(session.state["params"]), expected["params"])
     loader.close()
 
