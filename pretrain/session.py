@@ -281,25 +281,34 @@ class TrainingSession:
 
     def _step_keeping_state(self, batch: Batch, mode: ForwardMode):
         """The step compiled without donating the state, for the step beside a save's copy of
-        that state (compiled at the first such step of a mode), or None where its program (a
-        second state, fewer temporaries) does not fit the smallest device pool of this process;
-        then the donating step runs, after the copy."""
+        that state (compiled at the first such step of a mode), or None where it does not fit
+        the smallest device pool of this process; then the donating step runs, after the copy.
+        It fits where both programs would with two states held: the undonated one holds two,
+        and the donating steps after it must find their temporaries in one piece beside a state
+        the undonated step put elsewhere (without that room one failed on an H100:
+        benchmarks/RESULTS.md, 2026-12-07)."""
         if mode not in self._keeping:
             compiled = self._undonated_step.lower(self.state, batch, mode).compile()
-            memory = compiled.memory_analysis()  # nothing aliased: inputs and outputs both held
-            needed = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                      + memory.temp_size_in_bytes)  # fmt: skip
+            donating = self._step.lower(self.state, batch, mode).compile()  # cached once run
+            needed = max(map(with_two_states, (compiled, donating)))
             pool = smallest_device_pool()
             fits = pool is None or needed <= pool
             if not fits:
-                self.report(f"a save's copy does not overlap its step: the undonated step "
-                            f"needs {needed / 1e9:.1f} GB of a {pool / 1e9:.1f} GB device "
-                            "pool")  # fmt: skip
+                self.report(f"a save's copy does not overlap its step: the step beside two "
+                            f"states needs {needed / 1e9:.1f} GB of a {pool / 1e9:.1f} GB "
+                            "device pool")  # fmt: skip
             self._keeping[mode] = compiled if fits else None
         return self._keeping[mode]
 
     def _state_shardings(self) -> dict:
         return state_shardings(self.model, self.optimizer, self.abstract_state, self.mesh)
+
+
+def with_two_states(compiled) -> int:
+    """Device bytes of a compiled step with its inputs and outputs all held (none aliased)."""
+    memory = compiled.memory_analysis()
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes)  # fmt: skip
 
 
 def smallest_device_pool() -> int | None:

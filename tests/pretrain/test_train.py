@@ -160,6 +160,30 @@ def test_the_step_beside_a_copy_keeps_its_state_where_it_fits(monkeypatch, pool)
     loader.close()
 
 
+def test_the_step_beside_a_copy_needs_room_for_the_donating_step_beside_two_states(monkeypatch):
+    """A pool that holds the undonated step alone is not enough: the donating steps after it
+    must still find their temporaries beside two states (the undonated step moved the state)."""
+    run = tiny_run(checkpoint={"copy_in_step": True})
+    session = TrainingSession(functional(run.model), run, None, report=lambda _: None)
+    session.initialize()
+    loader = make_loader(run)
+    batch, mode = session.put_batch(next(loader)), session.forward_mode(1)
+    loader.close()
+    undonated, donating = (
+        session_module.with_two_states(step.lower(session.state, batch, mode).compile())
+        for step in (session._undonated_step, session._step)
+    )
+
+    def kept(pool: int) -> bool:
+        monkeypatch.setattr(session_module, "smallest_device_pool", lambda: pool)
+        session._keeping.clear()
+        return session._step_keeping_state(batch, mode) is not None
+
+    smaller, larger = sorted((undonated, donating))
+    assert smaller < larger  # else this shows nothing
+    assert not kept(smaller) and kept(larger)
+
+
 def test_a_steps_mode_says_whether_its_batch_holds_few_documents():
     """`ForwardMode.few_documents` comes from each host batch on a GPU: set where no row holds
     more runs of segment ids than the kernels take without a fallback (`documents_bound`); the
