@@ -97,8 +97,9 @@ def store_chunk(geo, smem, ref, results: dict, start, valid_queries, stored_rows
     group, queries = entry_rows(geo.group), geo.chunk_queries
     stored_rows = stored_rows or group
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores have read
+    staged = {name: staging(smem, name, value.shape[-1]) for name, value in results.items()}
     for name, value in results.items():
-        smem[f"{name}_out"][...] = value
+        staged[name][...] = value
     plgpu.commit_smem()
     whole = valid_queries >= queries
 
@@ -118,10 +119,29 @@ def store_chunk(geo, smem, ref, results: dict, start, valid_queries, stored_rows
             some = pl.ds(query * group, stored_rows)
             target = pl.ds(start + query * stored_rows, stored_rows)
             for name in results:
-                plgpu.copy_smem_to_gmem(smem[f"{name}_out"].at[some], ref[name].at[target],
+                plgpu.copy_smem_to_gmem(staged[name].at[some], ref[name].at[target],
                                         commit_group=False)  # fmt: skip
 
     plgpu.commit_smem_to_gmem_group()
+
+
+def staging(smem, name: str, width: int):
+    """`<name>_out` as the [R, width] it stages: a row-padded buffer (`padded_rows`) without
+    its padding columns."""
+    buffer = smem[f"{name}_out"]
+    return buffer if buffer.shape[-1] == width else buffer.at[:, pl.ds(0, width)]
+
+
+def padded_rows(rows: int, width: int, dtype) -> plgpu.SMEM:
+    """An unswizzled [rows, width] 32-bit staging buffer whose rows start ROW_PAD words apart
+    from the banks of the row before: rows of 128 words all start in bank 0, so a warp's store
+    of a WGMMA tile (8 rows of 8 words an instruction) hits each bank 8 times; shifted by 8 words
+    the 8 rows take 2 passes, the least for 256 bytes. A row's TMA copy stays 128-byte aligned
+    where the row index is a multiple of 16 (an entry's first row)."""
+    return plgpu.SMEM((rows, width + ROW_PAD), dtype)
+
+
+ROW_PAD = 8  # 32-bit words: 16 padded rows are a multiple of 128 bytes at width 128
 
 
 def softmax_block(scale: float, scores, visible):

@@ -86,6 +86,7 @@ from pallas_kernels import target
 from pallas_kernels.msa import block_lists, chunks
 from pallas_kernels.msa.mosaic_chunks import (
     NOT_VISIBLE,
+    ROW_PAD,
     TABLE_COLUMNS,
     TEACHER_TAIL,
     TILE_ROWS,
@@ -99,6 +100,7 @@ from pallas_kernels.msa.mosaic_chunks import (
     kl_rows,
     matmul,
     normalised,
+    padded_rows,
     segment_row,
     softmax_block,
     store_chunk,
@@ -148,7 +150,7 @@ def shared_bytes(
     if not index_dim:
         return forward
     tiles = (block_size + stages * rows) * head_dim + rows * (2 * block_size + rows) + index_tiles
-    words = block_size + (4 * stages + 1) * rows + rows * block_size
+    words = block_size + (4 * stages + 1) * rows + rows * (block_size + ROW_PAD)
     return max(forward, tiles * itemsize + 4 * words)
 
 
@@ -578,7 +580,7 @@ def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict
         )
     for name, out in outputs.items():
         if name == "teacher":  # fp32 rows stored one by one: unswizzled
-            scratch[f"{name}_out"] = plgpu.SMEM((rows, out.shape[1]), out.dtype)
+            scratch[f"{name}_out"] = padded_rows(rows, out.shape[1], out.dtype)
         elif len(out.shape) == 2:
             scratch[f"{name}_out"] = tiles(rows, out.shape[1])
         else:
