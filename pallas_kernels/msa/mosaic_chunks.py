@@ -132,16 +132,16 @@ def staging(smem, name: str, width: int):
     return buffer if buffer.shape[-1] == width else buffer.at[:, pl.ds(0, width)]
 
 
-def padded_rows(rows: int, width: int, dtype) -> plgpu.SMEM:
-    """An unswizzled [rows, width] 32-bit staging buffer whose rows start ROW_PAD words apart
-    from the banks of the row before: rows of 128 words all start in bank 0, so a warp's store
-    of a WGMMA tile (8 rows of 8 words an instruction) hits each bank 8 times; shifted by 8 words
-    the 8 rows take 2 passes, the least for 256 bytes. A row's TMA copy stays 128-byte aligned
-    where the row index is a multiple of 16 (an entry's first row)."""
+ROW_PAD = 8  # 32-bit words: 8 padded rows are a multiple of 128 bytes at width 128
+
+
+def padded_rows(rows: int, width: int, dtype):
+    """An unswizzled [rows, width] 32-bit staging buffer with ROW_PAD unused words after each
+    row: rows of 128 words all start in bank 0, so a warp's store of a WGMMA tile (8 rows of 8
+    words an instruction) hits each of its banks 8 times; shifted by 8 words a row, the 8 rows
+    take 2 passes, the least for 256 bytes. A row's TMA copy stays 128-byte aligned where its
+    index is a multiple of 8 (an entry's first row)."""
     return plgpu.SMEM((rows, width + ROW_PAD), dtype)
-
-
-ROW_PAD = 8  # 32-bit words: 16 padded rows are a multiple of 128 bytes at width 128
 
 
 def softmax_block(scale: float, scores, visible):
