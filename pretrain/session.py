@@ -35,7 +35,7 @@ from pretrain.mfu import ModelFlops
 from pretrain.msa_schedule import forward_mode, msa_phase
 from pretrain.optimizer import learning_rate, make_optimizer
 from pretrain.resume_checks import schedule_steps
-from pretrain.train_step import init_state, make_train_step
+from pretrain.train_step import init_state, make_step_halves, make_train_step
 
 
 class DataPositionError(ValueError):
@@ -105,7 +105,6 @@ class TrainingSession:
         self._use_schedule(horizon)
         self.state = None
         self._state_copy = None  # (host copy, finite flags) of the state a copying step began from
-        self._copy_source = None  # that copy while its source state is held beside the next step
         self.tokens_seen = 0  # training positions so far (B·S per step): drives the MSA warm-up
         self.faults = FaultMonitor(run, report)  # skipped steps (all sessions), loss spikes
         self.modality_tokens = collections.Counter()  # this session's tokens by modality
@@ -179,8 +178,9 @@ class TrainingSession:
         plus the batch's training FLOPs per token (`model_flops_per_token`, a host float).
         copy_state: the state the step starts from is also copied to host memory
         (`take_state_copy`), for a save that overlaps the step (`checkpoint.copy_in_step`): by
-        the device's transfer stream beside the step's compute, the step undonated
-        (`_step_keeping_state`); the next step waits for the copy, which frees that state."""
+        the device's transfer stream beside the step's gradients, the step run as its two
+        halves (`make_step_halves`), of which only the update, after the copy, donates the
+        state: no second state on the device."""
         if batch.modality is not None:
             self.modality_tokens.update(modality_counts(batch))
         mode = self.mode_for(batch, mode)
@@ -202,18 +202,12 @@ class TrainingSession:
     def step_on_devices(self, batch: Batch, mode: ForwardMode, copy_state: bool = False) -> dict:
         """One optimizer step on a batch already on the devices (`put_batch`); modality counts are
         left to `step`. benchmarks/bench_input_stall.py times the step alone through this."""
-        if self._copy_source is not None:  # its state is freed once copied: room for this step
-            jax.block_until_ready(self._copy_source)
-            self._copy_source = None
         if copy_state:
             finite = self._finite_leaves(self.state)
             copy = jax.device_put(self.state, self._on_host)  # a transfer stream, beside the step
-            keeping = self._step_keeping_state(batch, mode)
-            if keeping is None:  # the donating step waits for the copy of what it overwrites
-                self.state, metrics = self._step(self.state, batch, mode)
-            else:
-                self.state, metrics = keeping(self.state, batch)
-                self._copy_source = copy
+            grads, computed = self._gradients(self.state, batch, mode)  # reads the state
+            # donates the state: the runtime has it wait for the copy
+            self.state, metrics = self._update(self.state, grads, computed)
             self._state_copy = (copy, finite)
         else:
             self.state, metrics = self._step(self.state, batch, mode)
@@ -262,6 +256,7 @@ class TrainingSession:
         run, model = self.run, self.model
         self.optimizer = make_optimizer(run.optimizer, steps, model.param_axes)
         schedule = learning_rate(run.optimizer, steps)
+        halves = make_step_halves(model, self.optimizer, schedule, run)
         train_step = make_train_step(model, self.optimizer, schedule, run)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         jitted = functools.partial(
@@ -269,53 +264,21 @@ class TrainingSession:
             donate_argnums=0,
         )
         self._step = jitted(train_step, out_shardings=(self.state_shardings, replicated))
-        self._undonated_step = jax.jit(
-            train_step, in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated), static_argnums=2,
+        # the step beside a save's copy of its state, in two programs (`step_on_devices`)
+        self._gradients = jax.jit(
+            halves[0], in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings["params"], replicated), static_argnums=2,
         )  # fmt: skip
-        self._keeping: dict[ForwardMode, object] = {}  # mode -> compiled undonated step or None
+        self._update = jax.jit(
+            halves[1], out_shardings=(self.state_shardings, replicated), donate_argnums=0
+        )
         self._on_host = jax.tree.map(
             lambda s: s.with_memory_kind("pinned_host"), self.state_shardings
         )
         self._finite_leaves = jax.jit(finite_leaves)
 
-    def _step_keeping_state(self, batch: Batch, mode: ForwardMode):
-        """The step compiled without donating the state, for the step beside a save's copy of
-        that state (compiled at the first such step of a mode), or None where it does not fit
-        the smallest device pool of this process; then the donating step runs, after the copy.
-        It fits where both programs would with two states held: the undonated one holds two,
-        and the donating steps after it must find their temporaries in one piece beside a state
-        the undonated step put elsewhere (without that room one failed on an H100:
-        benchmarks/RESULTS.md, 2026-12-07)."""
-        if mode not in self._keeping:
-            compiled = self._undonated_step.lower(self.state, batch, mode).compile()
-            donating = self._step.lower(self.state, batch, mode).compile()  # cached once run
-            needed = max(map(with_two_states, (compiled, donating)))
-            pool = smallest_device_pool()
-            fits = pool is None or needed <= pool
-            if not fits:
-                self.report(f"a save's copy does not overlap its step: the step beside two "
-                            f"states needs {needed / 1e9:.1f} GB of a {pool / 1e9:.1f} GB "
-                            "device pool")  # fmt: skip
-            self._keeping[mode] = compiled if fits else None
-        return self._keeping[mode]
-
     def _state_shardings(self) -> dict:
         return state_shardings(self.model, self.optimizer, self.abstract_state, self.mesh)
-
-
-def with_two_states(compiled) -> int:
-    """Device bytes of a compiled step with its inputs and outputs all held (none aliased)."""
-    memory = compiled.memory_analysis()
-    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
-            + memory.temp_size_in_bytes)  # fmt: skip
-
-
-def smallest_device_pool() -> int | None:
-    """Bytes of the smallest memory pool among this process' devices (None where no device
-    reports one, as on CPU)."""
-    pools = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
-    return min(filter(None, pools), default=None)
 
 
 def state_shardings(model: Functional, optimizer, abstract_state: dict, mesh) -> dict:

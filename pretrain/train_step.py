@@ -127,15 +127,38 @@ def make_train_step(
     run: RunConfig,
 ) -> Callable[[dict, Batch, ForwardMode], tuple[dict, dict]]:
     """The step function; its ForwardMode argument is static (jit with static_argnums=2)."""
+    gradients, update = make_step_halves(model, optimizer, schedule, run)
+
+    def train_step(state: dict, batch: Batch, mode: ForwardMode) -> tuple[dict, dict]:
+        return update(state, *gradients(state, batch, mode))
+
+    return train_step
+
+
+def make_step_halves(
+    model: Functional,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    run: RunConfig,
+) -> tuple[Callable, Callable]:
+    """The step as two functions, `gradients(state, batch, mode) -> (grads, computed)`, which
+    only reads the state, and `update(state, grads, computed) -> (new_state, metrics)`, which
+    writes it: jitted apart, a copy of the state can run beside the first while only the
+    second donates it (pretrain/session.py: a save's copy of the state)."""
     config, parts = run.model, run.train.grad_accum_steps
     loss_and_grad = jax.value_and_grad(make_loss_fn(model, run), has_aux=True)
     labels = layer_labels(config)
 
-    def train_step(state: dict, batch: Batch, mode: ForwardMode) -> tuple[dict, dict]:
+    def gradients(state: dict, batch: Batch, mode: ForwardMode) -> tuple[dict, tuple]:
         totals = loss_totals(batch, config.mtp.num_modules, parts)
         (loss, (metrics, loads)), grads = accumulated(loss_and_grad, parts)(
             state["params"], state["buffers"], batch, mode, totals
         )
+        metrics["tokens"] = (batch.segment_ids > 0).sum()
+        return grads, (loss, metrics, loads)
+
+    def update(state: dict, grads: dict, computed: tuple) -> tuple[dict, dict]:
+        loss, metrics, loads = computed
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         buffers = model.rebalanced(state["buffers"], loads, config.moe.bias_update_rate)
         new_state = {
@@ -144,19 +167,18 @@ def make_train_step(
             "buffers": buffers,
             "opt_state": opt_state,
         }
-        metrics.update(load_metrics(loads, labels["moe"]))
+        metrics = {**metrics, **load_metrics(loads, labels["moe"])}
         grad_norm = optax.tree.norm(grads)
         new_state, skipped = keep_finite(state, new_state, loss, grad_norm)
         metrics.update(
             loss=loss,
             grad_norm=grad_norm,
             lr=schedule(applied_updates(state["opt_state"])),  # the LR this update used
-            tokens=(batch.segment_ids > 0).sum(),
             skipped=skipped,
         )
         return new_state, metrics
 
-    return train_step
+    return gradients, update
 
 
 def _mtp_loss(

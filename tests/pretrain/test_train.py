@@ -26,7 +26,6 @@ from pretrain.metrics import read_metrics
 from pallas_kernels import target
 from pretrain.checkpointing import Checkpoints
 from pretrain.data_loading import make_loader
-from pretrain import session as session_module
 from pretrain.session import TrainingSession
 from pretrain.train import main, train
 from tiny import tiny_run
@@ -131,57 +130,45 @@ def test_a_save_from_the_next_step_s_copy_equals_the_plain_save(tmp_path, async_
     assert summary["start_step"] == 3 and summary["end_step"] == 6
     losses = [[r["loss"] for r in read_metrics(tmp_path / d / "metrics.jsonl")]
               for d in ("plain", "copied")]  # fmt: skip
-    assert losses[0] == losses[1] and len(losses[0]) == 6
+    assert len(losses[0]) == len(losses[1]) == 6  # step 4 ran as two programs: to rounding
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("pool", [None, 1])
-def test_the_step_beside_a_copy_keeps_its_state_where_it_fits(monkeypatch, pool):
-    """The step beside a save's copy of its state runs undonated where that program fits the
-    device pool (the state stays alive while copied); where it does not, the donating step runs
-    after the copy and the run says why. Either way the copy is the state the step began from."""
-    monkeypatch.setattr(session_module, "smallest_device_pool", lambda: pool)
-    run, lines = tiny_run(checkpoint={"copy_in_step": True}), []
-    session = TrainingSession(functional(run.model), run, None, report=lines.append)
+def test_the_step_beside_a_copy_runs_as_two_halves_that_equal_the_step():
+    """The step beside a save's copy of its state runs as its gradients, which only read the
+    state while it is copied, then its update, which donates it: the copy is the state the step
+    began from, the new state and metrics are the one program's (to rounding: XLA compiles the
+    two apart), and the gradients' program needs no second state beside the donating step's."""
+    run = tiny_run(checkpoint={"copy_in_step": True})
+    session = TrainingSession(functional(run.model), run, None, report=lambda _: None)
     session.initialize()
     loader = make_loader(run)
     session.step(next(loader), session.forward_mode(1))
     began = session.state
     expected = jax.device_get(jax.tree.map(jnp.copy, began))  # no host view of `began`'s buffers
+    batch, mode = session.put_batch(next(loader)), session.forward_mode(2)
+    loader.close()
+    stepped, metrics = session._step(jax.tree.map(jnp.copy, began), batch, mode)
     due = session.prepare_save(1, loader)
-    session.step(next(loader), session.forward_mode(2), copy_state=True)
+    copied_metrics = session.step_on_devices(batch, mode, copy_state=True)
     copied = session.take_state_copy(due)
     assert tree_equal(jax.device_get(copied.state), expected)
     assert all(jax.device_get(jax.tree.leaves(copied.finite)))
-    deleted = {x.is_deleted() for x in jax.tree.leaves(began) if isinstance(x, jax.Array)}
-    assert deleted == {pool is not None}
-    assert any("does not overlap its step" in line for line in lines) == (pool is not None)
-    session.step(next(loader), session.forward_mode(3))  # waits for the copy where it kept it
-    assert not tree_equal(jax.device_get(session.state["params"]), expected["params"])
-    loader.close()
+    assert {x.is_deleted() for x in jax.tree.leaves(began) if isinstance(x, jax.Array)} == {True}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9),
+                 jax.device_get(session.state), jax.device_get(stepped))  # fmt: skip
+    for name, value in jax.device_get(metrics).items():
+        np.testing.assert_allclose(jax.device_get(copied_metrics[name]), value, rtol=1e-5)
 
+    def held(compiled) -> int:  # bytes a program holds at its peak, donated inputs reused
+        m = compiled.memory_analysis()
+        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                + m.temp_size_in_bytes)  # fmt: skip
 
-def test_the_step_beside_a_copy_needs_room_for_the_donating_step_beside_two_states(monkeypatch):
-    """A pool that holds the undonated step alone is not enough: the donating steps after it
-    must still find their temporaries beside two states (the undonated step moved the state)."""
-    run = tiny_run(checkpoint={"copy_in_step": True})
-    session = TrainingSession(functional(run.model), run, None, report=lambda _: None)
-    session.initialize()
-    loader = make_loader(run)
-    batch, mode = session.put_batch(next(loader)), session.forward_mode(1)
-    loader.close()
-    undonated, donating = (
-        session_module.with_two_states(step.lower(session.state, batch, mode).compile())
-        for step in (session._undonated_step, session._step)
-    )
-
-    def kept(pool: int) -> bool:
-        monkeypatch.setattr(session_module, "smallest_device_pool", lambda: pool)
-        session._keeping.clear()
-        return session._step_keeping_state(batch, mode) is not None
-
-    smaller, larger = sorted((undonated, donating))
-    assert smaller < larger  # else this shows nothing
-    assert not kept(smaller) and kept(larger)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(session.state))
+    gradients = held(session._gradients.lower(session.state, batch, mode).compile())
+    step = held(session._step.lower(session.state, batch, mode).compile())
+    assert gradients < step + state_bytes / 2, (gradients, step, state_bytes)
 
 
 def test_a_steps_mode_says_whether_its_batch_holds_few_documents():
