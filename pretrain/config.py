@@ -160,9 +160,9 @@ class CheckpointConfig:
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
     # A save (but the run's last and one on a stop) takes its state from the next step: the state
-    # that step starts from is copied to pinned host memory while it computes (a second compiled
-    # step, undonated, where it and the donating step fit the device beside two states; else
-    # the copy goes first), instead of Orbax copying it before that step starts
+    # that step starts from is copied to pinned host memory while it computes its gradients (the
+    # step as two programs; the update, which donates the state, after the copy), instead of
+    # Orbax copying it before that step starts
     copy_in_step: bool = False
     # An unreadable latest checkpoint: restore the newest intact older one (false: stop instead)
     restore_older_if_corrupt: bool = True
