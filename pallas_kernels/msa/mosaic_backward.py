@@ -18,7 +18,13 @@ per-segment buffer (`segment_bound` segments) and XLA adds them into the keys' r
 (`sum_partials`; a key's contributions from blocks of other documents are exact zeros, P = 0).
 
 With the indexer's student a second kernel (mosaic_student.py) walks the same items for d(index_q)
-and d(index_k), its own kernel so that the main one's registers stay with dK and dV.
+and d(index_k), its own kernel so that the main one's registers stay with dK and dV. It starts
+from the teacher (the group's mean P per entry and key); where the forward kept none (over
+`pallas.Config.teacher_bytes`, or behind the Triton forward) the gradients kernel takes it from
+its Pᵀ, which it computes anyway (`teacher_rows`: per entry a column mean over its G heads in
+fp32 registers, one row of the half's keys stored per entry), instead of a teacher pass that
+computes S and P again (42 ms of the layer's forward+backward at 128K on an H100,
+benchmarks/RESULTS.md, 2026-12-07).
 
 `Tiling.warpgroups = 2` (paired; pallas.Config's default, 1.03x the layer's forward+backward at
 32K, 1.01x at 128K on the H200, benchmarks/RESULTS.md 2026-12-05) takes both halves of a segment
@@ -44,8 +50,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.msa import block_lists, chunks, mosaic_forward, mosaic_student
 from pallas_kernels.msa.mosaic_chunks import (
+    COLUMN_LAYOUT,
     KEY_PARTS,
     PART_KEYS,
+    TEACHER_TAIL,
     TILE_ROWS,
     broadcast,
     chunk_copies,
@@ -68,13 +76,15 @@ def shared_bytes(
 ) -> int:
     """Shared memory of one program of either kernel (`_scratch` and the student's allocate the
     same): the key halves' operands, the rings of Q and dO, Pᵀ and dSᵀ, the dQ staging and the
-    fp32 sums (in column halves with two warpgroups), key segment ids and per-row words; the
-    larger of the two kernels."""
+    fp32 sums (in column halves with two warpgroups), key segment ids and per-row words, with a
+    student the teacher rows' staging (at most a row per chunk row); the larger of the two
+    kernels."""
     rows, stages, keys = tiling.rows, tiling.stages, tiling.warpgroups * PART_KEYS
     tiles_ = (2 * keys + 2 * stages * rows + rows) * head_dim + 2 * keys * rows
     main = tiles_ * itemsize + 4 * (PART_KEYS * head_dim + keys + 4 * stages * rows)
     if not index_dim:
         return main
+    main += 4 * tiling.warpgroups * rows * PART_KEYS // entry_rows(group)
     return max(main, mosaic_student.shared_bytes(index_dim, itemsize))
 
 
@@ -143,8 +153,10 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     None, None).
 
     window: q, d_out [B, W, H, Dh], lse, delta [B, W, K, G], segment_ids [B, S], offset; with a
-    student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K]. keys: `shifted_keys` of k, v,
-    segment ids; index_keys: `shifted_keys` of index_k in q's dtype (with a student) or None.
+    student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K] and the KL pass' teacher, or None:
+    then the gradients kernel takes the teacher from its Pᵀ (`teacher_rows`). keys:
+    `shifted_keys` of k, v, segment ids; index_keys: `shifted_keys` of index_k in q's dtype (with
+    a student) or None.
     """
     w = window
     chunk_walk = mosaic_forward.walk(geo, lists, w["q"], w["segment_ids"], w["offset"])
@@ -159,6 +171,9 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     shares = (rows, geo.head_dim // (KEY_PARTS if paired else 1))
     sums = jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, geo.head_dim), jnp.float32)
     outputs = dict(dq=jax.ShapeDtypeStruct(shares, w["q"].dtype), dk=sums, dv=sums)
+    if index_keys is not None and w["teacher"] is None:  # rows past E never stored
+        teacher = (geo.entries + TEACHER_TAIL, geo.block_size)
+        outputs["teacher"] = jax.ShapeDtypeStruct(teacher, jnp.float32)
     gradients = dict(operands, do=mosaic_forward.sorted_rows(geo, lists, w["d_out"]), v=keys[1])
     results = _launch(geo, tiling, gradients, outputs, interpret)
     summed = functools.partial(sum_partials, geo, chunk_walk.table, lists.num_segments,
@@ -169,7 +184,9 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     dk, dv = (summed(results[name], heads=geo.num_kv_heads) for name in ("dk", "dv"))
     if index_keys is None:
         return dq, dk, dv, None, None
-    diq, dik = mosaic_student.gradients(geo, tiling, lists, operands, window, index_keys, bound,
+    if "teacher" in results:
+        w = dict(w, teacher=results["teacher"])
+    diq, dik = mosaic_student.gradients(geo, tiling, lists, operands, w, index_keys, bound,
                                         interpret=interpret)  # fmt: skip
     return dq, dk, dv, diq, summed(dik, heads=1)
 
@@ -185,10 +202,10 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     twice a chunk: once both dSᵀ are in shared memory, once both have read them and the ring
     slot (warpgroup 0 then refills it). Each stores its dK, dV sums in column halves."""
     stages, dtype, paired = tiling.stages, operands["q"].dtype, tiling.warpgroups == KEY_PARTS
-    queries, per_entry = geo.chunk_queries, entry_rows(geo.group)
+    queries, per_entry, means = geo.chunk_queries, entry_rows(geo.group), "teacher" in outputs
     block_operands, columns = ["k", "v", "kseg"], geo.head_dim // tiling.warpgroups
     chunk_math = functools.partial(_gradients_chunk, geo, dtype,
-                                   functools.partial(wgmmas, interpret))  # fmt: skip
+                                   functools.partial(wgmmas, interpret), means)  # fmt: skip
 
     def kernel(*refs, **smem):
         ref = dict(zip([*operands, *outputs], refs))
@@ -200,9 +217,9 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         def program(half: int | None):  # half: the paired warpgroup's key half, else None
             own = dict(smem, key_bars=smem[f"key_bars{half or 0}"])
             if paired:
-                own.update({name: half_of(smem[name], half) for name in ("k", "v", "kseg", "p",
-                                                                         "ds", "dq_out",
-                                                                         "sum_out")})  # fmt: skip
+                own.update({name: half_of(smem[name], half)
+                            for name in ("k", "v", "kseg", "p", "ds", "dq_out", "sum_out",
+                                         "teacher_out") if name in smem})  # fmt: skip
 
             def item_body(index, part):
                 part = part if half is None else half
@@ -211,14 +228,18 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
                 def chunk_body(chunk, accumulators):
                     seen, values = chunk_rows(geo, tiling, own, item, chunk)
-                    accumulators, dq = chunk_math(smem, own, half, meet, chunk % stages, seen,
-                                                  values, accumulators)  # fmt: skip
+                    accumulators, dq, teacher = chunk_math(smem, own, half, meet, chunk % stages,
+                                                           seen, values, accumulators)  # fmt: skip
                     if paired:
                         plgpu.commit_smem()
                         meet()  # both have read this chunk's ring slot and dSᵀ
                     release_chunk(tiling, item, chunk)
                     start = (part * geo.entries + item.first + chunk * queries) * per_entry
-                    store_chunk(geo, own, ref, {"dq": dq}, start, item.count - chunk * queries)
+                    valid = item.count - chunk * queries
+                    store_chunk(geo, own, ref, {"dq": dq}, start, valid)
+                    if means:
+                        store_teacher(own, ref, teacher, item.first + chunk * queries, valid,
+                                      part)  # fmt: skip
                     return accumulators
 
                 accumulators = tuple(zeros((PART_KEYS, geo.head_dim)) for _ in range(2))
@@ -245,7 +266,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
-        scratch_types=_scratch(geo, tiling, dtype, len(block_operands)),
+        scratch_types=_scratch(geo, tiling, dtype, len(block_operands), means),
         grid=(mosaic_forward.num_programs(tiling),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -255,10 +276,12 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     return dict(zip(outputs, run(*operands.values())))
 
 
-def _gradients_chunk(geo, dtype, wgmmas, smem, own, half, meet, slot, seen, values, accumulators):
-    """A chunk's dK, dV sums and dQ share (module docstring): `own` the warpgroup's key half of
-    `smem`; with paired warpgroups (`half` not None) the dQ share's columns of this warpgroup,
-    Σ over both halves (dSᵀ_h)ᵀ·K_h, once both have stored their dSᵀ (`meet`)."""
+def _gradients_chunk(geo, dtype, wgmmas, means, smem, own, half, meet, slot, seen, values,
+                     accumulators):  # fmt: skip
+    """A chunk's dK, dV sums and dQ share (module docstring) and, with `means`, its entries'
+    teacher rows over the half's keys (`teacher_rows`; else None): `own` the warpgroup's key
+    half of `smem`; with paired warpgroups (`half` not None) the dQ share's columns of this
+    warpgroup, Σ over both halves (dSᵀ_h)ᵀ·K_h, once both have stored their dSᵀ (`meet`)."""
     lse, delta = values
     dk, dv = accumulators
     q, d_out, scale = smem["q"].at[slot], smem["do"].at[slot], geo.head_dim**-0.5
@@ -266,6 +289,7 @@ def _gradients_chunk(geo, dtype, wgmmas, smem, own, half, meet, slot, seen, valu
     logits, d_probs = wgmmas((zeros(tile), zeros(tile)), [(own["k"], q.transpose((1, 0)))],
                              [(own["v"], d_out.transpose((1, 0)))])  # fmt: skip
     probs = normalised(scale, logits, lse, seen, axis=1)
+    teacher = teacher_rows(geo, probs) if means else None
     d_logits = probs * (d_probs - broadcast(delta, tile, 1)) * scale
     own["p"][...] = probs.astype(dtype)  # the last chunk's wgmmas have read P and dS
     own["ds"][...] = d_logits.astype(dtype)
@@ -279,7 +303,41 @@ def _gradients_chunk(geo, dtype, wgmmas, smem, own, half, meet, slot, seen, valu
         (dk, dv, zeros((q.shape[0], columns))), [(own["ds"], q)], [(own["p"], d_out)],
         [(smem["ds"].transpose((1, 0)), keys)],
     )  # fmt: skip
-    return (dk, dv), dq.astype(dtype)
+    return (dk, dv), dq.astype(dtype), teacher
+
+
+def teacher_rows(geo: chunks.Geometry, probs) -> list:
+    """Pᵀ [keys, R] fp32 -> per entry of the chunk its teacher over the keys [keys] (a column
+    mean of its G real head columns, ROW_LAYOUT): the KL pass' A·P, taken in fp32 registers
+    where the gradients kernel has P anyway, instead of a teacher pass for it."""
+    per_entry, rows = entry_rows(geo.group), probs.shape[1]
+    column = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=COLUMN_LAYOUT)
+    real = column % per_entry < geo.group
+    means = []
+    for entry in range(rows // per_entry):
+        weight = jnp.where(real & (column // per_entry == entry), 1.0 / geo.group, 0.0)
+        means.append((probs * broadcast(weight, probs.shape, 1)).sum(axis=1))
+    return means
+
+
+def store_teacher(own, ref, means: list, first, valid_queries, part: int) -> None:
+    """TMA-store a chunk's teacher rows (`teacher_rows`) of its valid queries at GMEM rows
+    `first` + query, the key half's columns, staged in `teacher_out` once its last store has
+    read it (`store_chunk`'s wait, earlier in the chunk, covers the previous chunk's)."""
+    staged = own["teacher_out"]
+    for query, mean in enumerate(means):
+        staged.at[query][...] = mean
+    plgpu.commit_smem()
+    columns = pl.ds(part * PART_KEYS, PART_KEYS)
+    for query in range(len(means)):
+
+        @pl.when(query < valid_queries)
+        def _(query=query):
+            plgpu.copy_smem_to_gmem(staged.at[pl.ds(query, 1)],
+                                    ref["teacher"].at[pl.ds(first + query, 1), columns],
+                                    commit_group=False)  # fmt: skip
+
+    plgpu.commit_smem_to_gmem_group()
 
 
 def half_of(ref, part: int):
@@ -290,16 +348,19 @@ def half_of(ref, part: int):
     return ref.at[pl.ds(part * rows, rows)]
 
 
-def _scratch(geo, tiling, dtype, key_copies: int) -> dict:
+def _scratch(geo, tiling, dtype, key_copies: int, means: bool) -> dict:
     """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the same): the key
-    halves' K, V, key segment ids, Pᵀ, dSᵀ and the stagings of their dQ and sum columns, one per
-    warpgroup stacked along rows (`half_of`), each with its key barriers; the rings shared."""
+    halves' K, V, key segment ids, Pᵀ, dSᵀ and the stagings of their dQ and sum columns (and,
+    with `means`, of their teacher rows), one per warpgroup stacked along rows (`half_of`), each
+    with its key barriers; the rings shared."""
     rows, stages, groups = tiling.rows, tiling.stages, tiling.warpgroups
     smem, keys = functools.partial(tiles, dtype), groups * PART_KEYS
     columns = geo.head_dim // groups
     key_bars = {f"key_bars{group}": plgpu.Barrier(num_barriers=key_copies)
                 for group in range(groups)}  # fmt: skip
-    pair_bar = {"pair_bar": plgpu.Barrier(num_arrivals=groups)} if groups > 1 else {}
+    extra = {"pair_bar": plgpu.Barrier(num_arrivals=groups)} if groups > 1 else {}
+    if means:  # fp32 rows stored one by one: unswizzled
+        extra["teacher_out"] = plgpu.SMEM((groups * geo.chunk_queries, PART_KEYS), jnp.float32)
     return dict(
         k=smem(keys, geo.head_dim), v=smem(keys, geo.head_dim),
         kseg=plgpu.SMEM((keys,), jnp.int32), q=smem(stages, rows, geo.head_dim),
@@ -308,5 +369,5 @@ def _scratch(geo, tiling, dtype, key_copies: int) -> dict:
         values=plgpu.SMEM((stages, 2, rows), jnp.float32), dq_out=smem(groups * rows, columns),
         sum_out=tiles(jnp.float32, keys, columns), **key_bars,
         q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 2, 0), num_barriers=stages),
-        data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages), **pair_bar,
+        data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages), **extra,
     )  # fmt: skip

@@ -9,8 +9,7 @@
   the forward on Mosaic GPU kernels instead (mosaic_forward.py): one pass without a student;
   with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL
   and the teacher, which the Mosaic backward's student gradients read (kept within
-  `Config.teacher_bytes`, else that backward runs the KL pass again, as the teacher pass: the
-  teacher alone). `Config.kl_kernel="slots"` takes the student out of both: the attention pass
+  `Config.teacher_bytes`, else the backward's gradients kernel takes it from its own P). `Config.kl_kernel="slots"` takes the student out of both: the attention pass
   without it, the teacher pass, then the student's LSE and KL one row per entry in the
   student's kernel (mosaic_student.py).
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
@@ -92,7 +91,7 @@ class Config:
     mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=2)
     # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
-    # backward runs the teacher pass for it (long rows: 8.6 GB a layer at 512K tokens)
+    # backward's gradients kernel takes it from its P (long rows: 8.6 GB a layer at 512K tokens)
     teacher_bytes: int = 1 << 30
     # the Mosaic forward's KL with a student: "slots", the attention pass runs without the
     # student and the KL pass computes the teacher alone; the student's kernel takes LSE_z and
@@ -600,9 +599,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         geo, tiling = backward_geo, config.mosaic_backward
         q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z, teacher = window
         valid = blocks >= 0
-        if with_student and teacher is None:  # behind the Triton forward, or too large to keep
-            chunk_walk = mosaic_forward.walk(geo, lists, q, segment_ids, offset)
-            _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, None, lse, lse_z, True)
+        # teacher None (behind the Triton forward, or too large to keep): the gradients kernel
+        # takes it from its P
         operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
                         d_kl=d_kl, index_q=index_q, segment_ids=segment_ids, offset=offset,
                         teacher=teacher)  # fmt: skip

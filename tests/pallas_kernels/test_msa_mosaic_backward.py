@@ -85,7 +85,7 @@ def test_student_gradients_match_reference_and_triton(group, kv_heads, forward, 
                                                       kl_kernel):  # fmt: skip
     """d(q, k, v, index_q, index_k) with the student, after the Mosaic forward (its LSE, LSE_z
     and teacher residuals; LSE_z from the student's kernel with the KL on slots) or the Triton
-    one (no teacher kept: the backward runs the teacher pass for it); the packed row alone, to
+    one (no teacher kept: the gradients kernel takes it from its P); the packed row alone, to
     keep the interpreter's time down."""
     args = inputs(group, kv_heads, batch=1, head_dim=64 * warpgroups)
     index = student(kv_heads, args[0].shape[1], args[0].shape[0])
@@ -94,21 +94,25 @@ def test_student_gradients_match_reference_and_triton(group, kv_heads, forward, 
     assert_gradients_equal(got, gradients(pallas.Config(), *args, index=index))
 
 
-@pytest.mark.parametrize("with_student, query_runs, warpgroups, kl_kernel",
-                         [(False, False, 1, "slots"), (True, False, 1, "pass"),
-                          (True, True, 1, "slots"), (True, False, 2, "slots")])  # fmt: skip
-def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups, kl_kernel):
+@pytest.mark.parametrize("with_student, query_runs, warpgroups, kl_kernel, teacher_bytes",
+                         [(False, False, 1, "slots", 1 << 30), (True, False, 1, "pass", 1 << 30),
+                          (True, True, 1, "slots", 1 << 30), (True, False, 2, "slots", 1 << 30),
+                          (True, False, 2, "slots", 0), (True, False, 1, "pass", 0)])  # fmt: skip
+def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups, kl_kernel,
+                                       teacher_bytes):  # fmt: skip
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints, wgmma operands) of the
     backward kernels at Dh = Di = 128, G = 16: the forward, then the gradients kernel and with a
     student the KL pass (its teacher feeds the student's gradients) and the student's kernel;
     with the KL on slots the forward is the attention pass, the teacher pass and the student's
     kernel, beside the KL pass' way for windows of more segments (a `lax.cond`: 2 kernels); with
-    query runs, half the queries as context parallelism's two runs of slots. The Triton
+    query runs, half the queries as context parallelism's two runs of slots; with no room for
+    the teacher (`teacher_bytes=0`) the gradients kernel that takes it from its P. The Triton
     fallback for windows of too many segments lowers only with a GPU present: zeros of its
     kernel's shapes stand in for it here."""
     tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=warpgroups)
     config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic",
-                           mosaic_backward=tiling, kl_kernel=kl_kernel)  # fmt: skip
+                           mosaic_backward=tiling, kl_kernel=kl_kernel,
+                           teacher_bytes=teacher_bytes)  # fmt: skip
     triton = backward_kernel.backward_pass
 
     def stand_in(geo, tiling, *arrays, **kwargs):
@@ -133,6 +137,8 @@ def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups, kl_
     with mock.patch.object(backward_kernel, "backward_pass", stand_in):
         text = grad.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
     forward = {"pass": 2, "slots": 3 + 2}[kl_kernel] if with_student else 1
+    if with_student and not teacher_bytes:  # the KL pass of "pass" leaves no residual then
+        forward -= 1  # and its KL, whose value jax.grad never reads, is dropped
     assert text.count("custom_call @mosaic_gpu") == forward + (2 if with_student else 1)
 
 
@@ -284,17 +290,21 @@ def test_slot_layout_gives_each_segment_whole_slots_and_maps_entries_both_ways()
     assert (np.delete(back, expected) == entries).all()
 
 
-@pytest.mark.parametrize("teacher_bytes", [0, 1 << 30])
-def test_a_teacher_over_its_budget_is_left_to_the_backward_s_kl_pass(teacher_bytes):
-    """The KL pass' teacher is kept for the backward within `Config.teacher_bytes` (one KL pass,
-    in the forward), else the backward runs the KL pass again (two); the gradients are the
-    reference's either way."""
-    args = inputs(16, 1, batch=1)
+@pytest.mark.parametrize("teacher_bytes, warpgroups", [(0, 1), (0, 2), (1 << 30, 1)])
+def test_a_teacher_over_its_budget_comes_from_the_gradients_kernel(teacher_bytes, warpgroups):
+    """The KL pass' teacher is kept for the backward within `Config.teacher_bytes`, else the
+    backward's gradients kernel takes it from its own P (`teacher_rows`) for the student's
+    gradients, one key half per warpgroup with two; one KL pass either way (the forward's), and
+    the gradients are the reference's."""
+    args = inputs(16, 1, batch=1, head_dim=64 * warpgroups)
     index = student(1, args[0].shape[1], args[0].shape[0])
-    config = dataclasses.replace(mosaic("mosaic"), teacher_bytes=teacher_bytes)
-    with mock.patch.object(mosaic_forward, "kl_pass", wraps=mosaic_forward.kl_pass) as kl_pass:
+    config = dataclasses.replace(mosaic("mosaic", warpgroups), teacher_bytes=teacher_bytes)
+    with (mock.patch.object(mosaic_forward, "kl_pass", wraps=mosaic_forward.kl_pass) as kl_pass,
+          mock.patch.object(mosaic_backward, "teacher_rows",
+                            wraps=mosaic_backward.teacher_rows) as teacher_rows):  # fmt: skip
         got = gradients(config, *args, index=index)
-    assert kl_pass.call_count == (2 if teacher_bytes == 0 else 1)
+    assert kl_pass.call_count == 1
+    assert teacher_rows.called == (teacher_bytes == 0)
     assert_gradients_equal(got, reference_gradients(*args, index=index))
 
 
