@@ -15,24 +15,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3jax.moe.local import EXPERT_PROJECTIONS
-from pallas_kernels.msa.reference import SAVED_BY_REMAT
+from pallas_kernels.msa.reference import SAVED_BY_ANY_REMAT, SAVED_BY_REMAT
 
+_names = jax.checkpoint_policies.save_only_these_names
+_dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+_both = jax.checkpoint_policies.save_from_both_policies
+
+# Every policy saves the MSA kernels' LSEs (SAVED_BY_ANY_REMAT: small), so that no recompute runs
+# the Mosaic forward's KL passes for them
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # recompute all but the MSA kernels' attention outputs (selection and projections recomputed)
-    "save_attention": jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT),
+    "full": _names(SAVED_BY_ANY_REMAT),
+    "save_dots": _both(_dots, _names(SAVED_BY_ANY_REMAT)),
+    # recompute all but the MSA kernels' attention outputs (projections recomputed)
+    "save_attention": _names(SAVED_BY_REMAT, SAVED_BY_ANY_REMAT),
     # and every dot without batch dimensions (projections, router, shared expert): 1.03x
     # save_attention's step on bench-h200, peak <= 93 GB against 84 (benchmarks/RESULTS.md)
-    "save_attention_dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT),
-    ),
+    "save_attention_dots": _both(_dots, _names(SAVED_BY_REMAT, SAVED_BY_ANY_REMAT)),
     # and the routed experts' gate and up products (grouped matmuls, which no dot policy sees):
     # the backward runs one of a layer's expert products again instead of three
-    "save_attention_dots_experts": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(SAVED_BY_REMAT, EXPERT_PROJECTIONS),
+    "save_attention_dots_experts": _both(
+        _dots, _names(SAVED_BY_REMAT, SAVED_BY_ANY_REMAT, EXPERT_PROJECTIONS)
     ),
 }
 

@@ -60,7 +60,7 @@ from pallas_kernels.msa import (
     mosaic_student,
     selection_kernel,
 )
-from pallas_kernels.msa.reference import SAVED_BY_REMAT, Student
+from pallas_kernels.msa.reference import SAVED_BY_ANY_REMAT, SAVED_BY_REMAT, Student
 from pallas_kernels.msa.xla import block_recall, dense_attention
 
 __all__ = ["block_recall", "dense_attention", "sparse_attention", "top_blocks"]
@@ -540,8 +540,10 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
                   windows.buffer((geo.num_kv_heads,), jnp.float32) if with_student else None)
         (out, kl), (lse, lse_z, teacher) = jax.lax.scan(step, joined, jnp.arange(windows.count))
         out, kl = windows.unpadded(out), kl if kl is None else windows.unpadded(kl)
-        out, lse, lse_z, teacher = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
-                                    for x in (out, lse, lse_z, teacher))  # fmt: skip
+        out, teacher = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
+                        for x in (out, teacher))  # fmt: skip
+        lse, lse_z = (None if x is None else checkpoint_name(x, SAVED_BY_ANY_REMAT)
+                      for x in (lse, lse_z))  # fmt: skip
         residuals = (q, k, v, index_q, index_k, blocks, segment_ids, positions, starts, out, lse,
                      lse_z, teacher)  # fmt: skip
         return (out, kl), residuals

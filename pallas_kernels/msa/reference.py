@@ -32,6 +32,11 @@ from pallas_kernels.attention.reference import at_query_slots, document_causal_m
 # output and LSEs): a remat policy that saves them (`model.remat: save_attention`) runs those
 # forward kernels once a step, not twice
 SAVED_BY_REMAT = "msa_attention"
+# `checkpoint_name` of the kernels' LSEs ([B, S, H] and [B, S, K] fp32: 1/64 of the output's
+# bytes at M3's layout), which every remat policy saves (m3jax/stacking.py): a layer's recompute
+# then runs neither the teacher pass nor the student's kernel for LSE_z (the Mosaic forward with
+# the KL on slots), only what the output needs
+SAVED_BY_ANY_REMAT = "msa_attention_lses"
 
 Student = tuple[jax.Array, jax.Array] | None  # (index_q [B, S, Hi, Di], index_k [B, S, Di])
 

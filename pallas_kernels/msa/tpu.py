@@ -41,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import target
 from pallas_kernels.attention.reference import at_query_slots
 from pallas_kernels.msa import tpu_kernels, tpu_selection
-from pallas_kernels.msa.reference import SAVED_BY_REMAT, Student
+from pallas_kernels.msa.reference import SAVED_BY_ANY_REMAT, SAVED_BY_REMAT, Student
 from pallas_kernels.msa.tpu_selection import NO_SEGMENT
 from pallas_kernels.msa.xla import block_recall, dense_attention
 
@@ -245,8 +245,9 @@ def _attention(geo: tpu_kernels.Geometry, interpret):
 
     def forward(*args):
         out, kl, lse, lse_z = forward_kernels(*args)
-        out, lse, lse_z = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
-                           for x in (out, lse, lse_z))  # fmt: skip
+        out = checkpoint_name(out, SAVED_BY_REMAT)
+        lse, lse_z = (None if x is None else checkpoint_name(x, SAVED_BY_ANY_REMAT)
+                      for x in (lse, lse_z))  # fmt: skip
         return (out, kl), (*args, out, lse, lse_z)
 
     def backward(residuals, cotangents):

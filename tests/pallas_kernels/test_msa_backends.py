@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jaxpr_values import kernel_calls
 
+from m3jax import stacking
 from pallas_kernels.attention import xla as attention_xla
 from pallas_kernels.attention.reference import document_causal_mask, gqa_attention
 from pallas_kernels.msa import pallas, reference, tpu, tpu_kernels, xla
@@ -149,9 +150,9 @@ FORWARD_KERNELS = {"pallas": ("msa_lse", "msa_forward"), "tpu": ("msa_tpu_forwar
 
 @pytest.mark.parametrize("backend", FORWARD_KERNELS)
 def test_a_remat_policy_saving_the_attention_runs_the_kernels_forward_once(backend):
-    """Both kernel backends name their forward's residuals (output, LSEs) SAVED_BY_REMAT, so that
-    `model.remat: save_attention` keeps them for the backward instead of rerunning the forward
-    kernels, which recomputing everything (`full`) does."""
+    """Both kernel backends name their forward's residuals (output SAVED_BY_REMAT, LSEs
+    SAVED_BY_ANY_REMAT), so that `model.remat: save_attention` keeps them for the backward
+    instead of rerunning the forward kernels, which recomputing everything does."""
     module, kwargs = BACKENDS[backend]
     q, k, v, index_q, index_k, segments, positions = x = inputs()
     blocks = select(x, 16, 2, 1)
@@ -162,7 +163,7 @@ def test_a_remat_policy_saving_the_attention_runs_the_kernels_forward_once(backe
         return kernel_calls(jax.make_jaxpr(grad)(q, k, v, index_q, index_k).jaxpr)
 
     full = launches(jax.checkpoint_policies.nothing_saveable)
-    saved = launches(jax.checkpoint_policies.save_only_these_names(reference.SAVED_BY_REMAT))
+    saved = launches(stacking.REMAT_POLICIES["save_attention"])
     for name in FORWARD_KERNELS[backend]:
         assert (full[name], saved[name]) == (2, 1), name
 

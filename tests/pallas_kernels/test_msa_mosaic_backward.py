@@ -27,6 +27,7 @@ from test_msa_mosaic_forward import (
     student,
 )
 
+from m3jax import stacking
 from pallas_kernels.msa import (
     backward_kernel,
     block_lists,
@@ -140,6 +141,29 @@ def test_lowers_for_cuda_without_a_gpu(with_student, query_runs, warpgroups, kl_
     if with_student and not teacher_bytes:  # the KL pass of "pass" leaves no residual then
         forward -= 1  # and its KL, whose value jax.grad never reads, is dropped
     assert text.count("custom_call @mosaic_gpu") == forward + (2 if with_student else 1)
+
+
+@pytest.mark.parametrize("remat, launches", [("none", 8), ("full", 6)])
+def test_no_remat_recompute_runs_the_kl_passes_for_the_lses(remat, launches):
+    """A layer's loss and gradients under `model.remat` with the KL on slots and no teacher
+    kept, lowered for CUDA: the forward launches the attention pass, the teacher pass and the
+    student's kernel, the backward the gradients and the student's kernels; recomputing every
+    value (jax's nothing_saveable) launches the forward's three again, while `full`, which
+    saves the LSEs (SAVED_BY_ANY_REMAT) as every policy does, launches the attention pass alone."""
+    config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic",
+                           mosaic_backward=mosaic_forward.Tiling(segment_chunks=32),
+                           few_documents=True, teacher_bytes=0)  # fmt: skip
+
+    def loss(q, k, v, blocks, segments, positions, *index):
+        out, kl = pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
+                                          student=index, config=config, interpret=False)
+        return out.astype(jnp.float32).sum() + kl.sum()
+
+    policy = (jax.checkpoint_policies.nothing_saveable if remat == "none"
+              else stacking.REMAT_POLICIES[remat])  # fmt: skip
+    step = jax.jit(jax.value_and_grad(jax.checkpoint(loss, policy=policy), argnums=(0, 6, 7)))
+    text = step.trace(*cuda_operands(True)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == launches
 
 
 @pytest.mark.parametrize("with_student", [False, True])
