@@ -9,9 +9,10 @@
   the forward on Mosaic GPU kernels instead (mosaic_forward.py): one pass without a student;
   with one (the indexer's KL) that pass also yields the student's LSE and a second kernel the KL
   and the teacher, which the Mosaic backward's student gradients read (kept within
-  `Config.teacher_bytes`, else the backward's gradients kernel takes it from its own P). `Config.kl_kernel="slots"` takes the student out of both: the attention pass
-  without it, the teacher pass, then the student's LSE and KL one row per entry in the
-  student's kernel (mosaic_student.py).
+  `Config.teacher_bytes`, else the backward's gradients kernel takes it from its own P).
+  `Config.kl_kernel="slots"` takes the student out of both: the attention pass without it, the
+  teacher pass, then the student's LSE and KL one row per entry in the student's kernel
+  (mosaic_student.py).
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
   multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
   32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel`
