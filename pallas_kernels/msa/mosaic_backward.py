@@ -93,9 +93,8 @@ def unsupported_reason(
 ) -> str:
     """Why the Mosaic backward can't take these operands ('' when it can): the forward's limits
     (`mosaic_forward.unsupported_reason`: dtype, tiles, block size) and its own shared memory."""
-    reason = mosaic_forward.unsupported_reason(
-        dtype, group, head_dim, block_size, tiling, index_dim, warpgroups=(1, KEY_PARTS)
-    )
+    reason = mosaic_forward.unsupported_reason(dtype, group, head_dim, block_size, tiling,
+                                               index_dim)  # fmt: skip
     halves = KEY_PARTS * mosaic_forward.HEAD_DIM_MULTIPLE  # two warpgroups' dQ columns
     if not reason and tiling.warpgroups == KEY_PARTS and head_dim % halves:
         reason = f"head_dim={head_dim} does not split into two warpgroups' dQ columns"

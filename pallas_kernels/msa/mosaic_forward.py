@@ -111,6 +111,7 @@ from pallas_kernels.msa.mosaic_chunks import tiles as tiles_of
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 BLOCK_SIZES = (128,)  # one wgmma N / K tile of keys per block
 HEAD_DIM_MULTIPLE = 64  # the swizzled tiles' minor size in 16-bit elements
+WARPGROUPS = (1, 2)  # a program's warpgroups (`Tiling.warpgroups`)
 WARPGROUP_ROWS = (64,)  # wgmma M of the one warpgroup; 128 rows would spill its registers
 SHARED_BYTES = 227 * 1024  # the H200's shared memory per program
 
@@ -124,8 +125,10 @@ class Tiling:
     stages: int = 2  # Q buffers in flight
     # `shared_bytes` at Dh = 128, stages = 2: 130 KiB, so a second program does not fit an SM
     programs_per_core: int = 1
-    # the backward's gradients kernel only (the forward runs one): 2 = a block's two key halves
-    # in one program, one warpgroup each, over one ring of Q and dO (mosaic_backward.py)
+    # 2: the attention pass without a student runs two warpgroups a program, taking a segment's
+    # chunks in turn (its KL pass and the passes with a student run one); the backward's
+    # gradients kernel a block's two key halves, one warpgroup each, over one ring of Q and dO
+    # (mosaic_backward.py)
     warpgroups: int = 1
 
     def chunk_queries(self, group: int) -> int:
@@ -137,33 +140,39 @@ class Tiling:
 def shared_bytes(
     tiling: Tiling, head_dim: int, block_size: int, index_dim: int = 0, itemsize: int = 2
 ) -> int:
-    """Shared memory of one program (`_scratch`): the forward's K, V, Q ring, P, output staging,
-    key segment ids and row data; with a student (index_dim > 0) also the index-key block, the
-    index-row ring and the LSE_z staging, and the larger of that and the KL pass' (K, index keys,
-    the two rings, P's two parts, the averaging matrix, row data and LSEs, the KL and fp32
-    teacher staging)."""
+    """Shared memory of one program (`_scratch`): the forward's K, V and key segment ids, and
+    per warpgroup its Q ring, P, output staging and row data; with a student (index_dim > 0,
+    one warpgroup) also the index-key block, the index-row ring and the LSE_z staging, and the
+    larger of that and the KL pass' (K, index keys, the two rings, P's two parts, the averaging
+    matrix, row data and LSEs, the KL and fp32 teacher staging)."""
     rows, stages = tiling.rows, tiling.stages
-    index_tiles = (block_size + stages * rows) * index_dim
-    tiles = (2 * block_size + (stages + 1) * rows) * head_dim + rows * block_size + index_tiles
-    words = block_size + (2 * stages + 1 + (index_dim > 0)) * rows
-    forward = tiles * itemsize + 4 * words
+
+    def attention_pass(groups: int, index_dim: int) -> int:  # the block's, then per warpgroup
+        own_tiles = ((stages + 1) * rows * head_dim + rows * block_size
+                     + stages * rows * index_dim)  # fmt: skip
+        tiles = (2 * head_dim + index_dim) * block_size + groups * own_tiles
+        words = block_size + groups * (2 * stages + 1 + (index_dim > 0)) * rows
+        return tiles * itemsize + 4 * words
+
+    forward = attention_pass(tiling.warpgroups, 0)
     if not index_dim:
         return forward
+    forward = max(forward, attention_pass(1, index_dim))
+    index_tiles = (block_size + stages * rows) * index_dim
     tiles = (block_size + stages * rows) * head_dim + rows * (2 * block_size + rows) + index_tiles
     words = block_size + (4 * stages + 1) * rows + rows * (block_size + ROW_PAD)
     return max(forward, tiles * itemsize + 4 * words)
 
 
 def unsupported_reason(
-    dtype, group: int, head_dim: int, block_size: int, tiling: Tiling, index_dim: int = 0,
-    warpgroups: tuple[int, ...] = (1,),
-) -> str:  # fmt: skip
+    dtype, group: int, head_dim: int, block_size: int, tiling: Tiling, index_dim: int = 0
+) -> str:
     """Why the Mosaic kernels can't take these operands ('' when they can); index_dim: Di with a
-    student, 0 without; warpgroups: the `Tiling.warpgroups` the kernel runs."""
+    student, 0 without."""
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
         return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16"
-    if tiling.warpgroups not in warpgroups:
-        return f"warpgroups={tiling.warpgroups} is not one of {warpgroups}"
+    if tiling.warpgroups not in WARPGROUPS:
+        return f"warpgroups={tiling.warpgroups} is not one of {WARPGROUPS}"
     if tiling.rows not in WARPGROUP_ROWS:
         return f"mosaic rows={tiling.rows} is not one of {WARPGROUP_ROWS}"
     per_entry = entry_rows(group)
@@ -432,10 +441,17 @@ def averaging(geo: chunks.Geometry, tiling: Tiling, dtype) -> jax.Array:
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
     """One persistent kernel over the segments -> its outputs by name. The forward has operand
     v (P·V; outputs o, lse); the KL pass has lses and average (output kl); index rows and keys
-    (iq, ik) add the student's logits z = index_q·index_kᵀ (the forward's output lse_z)."""
+    (iq, ik) add the student's logits z = index_q·index_kᵀ (the forward's output lse_z). With
+    `tiling.warpgroups` = 2 (the attention pass without a student) the two warpgroups take a
+    segment's chunks in turn, each with its own ring and stagings, over the block's K and V that
+    warpgroup 0 loads once both are done with the last segment's: one's softmax runs while the
+    other's wgmmas do."""
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, operands["q"].dtype
     student, kl, keeps_teacher = "iq" in operands, "lses" in operands, "teacher" in outputs
+    if student or kl:  # two warpgroups' rings and stagings would not fit shared memory
+        tiling = dataclasses.replace(tiling, warpgroups=1)
+    groups = tiling.warpgroups
     index_scale = operands["iq"].shape[1] ** -0.5 if student else None
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     block_operands = [name for name in ("k", "v", "kseg", "ik") if name in operands]
@@ -446,80 +462,95 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         if kl:
             copy_whole(ref, smem, "average")
 
-        def segment_body(index, part):
-            del part  # whole blocks
-            first, count, tile, shift, key_slot, row_start, head = segment_row(ref, index)
-            num_chunks = (count + queries - 1) // queries
-            keys = (shift, pl.ds(tile * TILE_ROWS, size), head)
-            for bar, name in enumerate(block_operands):  # [8, N, K, D] per head, else [8, N, ...]
-                source = ref[name].at[keys if name in ("k", "v") else keys[:2]]
-                plgpu.copy_gmem_to_smem(source, smem[name], smem["key_bars"].at[bar])
+        def program(wg: int):
+            own = own_buffers(smem, wg)
 
-            def fetch(chunk):
-                fetch_chunk(geo, ref, smem, chunk % stages, first + chunk * queries, ["q"],
-                            student, row_operands)  # fmt: skip
+            def segment_body(index, part):
+                del part  # whole blocks
+                first, count, tile, shift, key_slot, row_start, head = segment_row(ref, index)
+                num_chunks = (count + queries - 1) // queries
+                turns = (num_chunks - wg + groups - 1) // groups  # chunks wg, wg + groups, ...
+                if groups > 1:  # both have read the last segment's block operands
+                    plgpu.barrier_arrive(smem["pair_bar"])
+                    plgpu.barrier_wait(smem["pair_bar"])
+                keys = (shift, pl.ds(tile * TILE_ROWS, size), head)
+                for bar, name in enumerate(block_operands if wg == 0 else []):
+                    source = ref[name].at[keys if name in ("k", "v") else keys[:2]]
+                    plgpu.copy_gmem_to_smem(source, smem[name], smem["key_bars"].at[bar])
 
-            for chunk in range(stages):
-                pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
-            for bar in range(len(block_operands)):
-                plgpu.barrier_wait(smem["key_bars"].at[bar])
-            slots = key_slot + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=col_layout)
-            slots = jnp.where(slots >= row_start, slots, NOT_VISIBLE)
-            key_segs = plgpu.load(smem["kseg"], layout=col_layout, optimized=False)
+                def fetch(turn):
+                    fetch_chunk(geo, ref, own, turn % stages,
+                                first + (turn * groups + wg) * queries, ["q"], student,
+                                row_operands)  # fmt: skip
 
-            def chunk_body(chunk, carry):
-                slot = chunk % stages
-                plgpu.barrier_wait(smem["q_bars"].at[slot])
-                plgpu.barrier_wait(smem["data_bars"].at[slot])
-                logits = matmul((rows, size), (smem["q"].at[slot], smem["k"].transpose((1, 0))))
-                per_row = {name: [plgpu.load(smem[name].at[slot, c], layout=row_layout,
-                                             optimized=False) for c in range(2)]
-                           for name in row_operands}  # fmt: skip
-                seen = visible(per_row["data"], slots, key_segs, logits.shape)
-                z, results = None, {}
-                if student:
-                    z = matmul((rows, size), (smem["iq"].at[slot], smem["ik"].transpose((1, 0))))
-                if student and not kl:  # the forward: the block's LSE_z; z is done with
-                    _, z_top, z_total = softmax_block(index_scale, z, seen)
-                    results["lse_z"] = block_lse(z_top, z_total)
-                # every warp's wgmmas have read the slot's Q and index rows and its loads its row
-                # data (a warpgroup barrier; the proxy fence orders those reads before the TMA
-                # writes)
-                plgpu.commit_smem()
-                pl.when(chunk + stages < num_chunks)(lambda: fetch(chunk + stages))
-                teacher = None
-                if kl:
-                    kl_values, teacher = _kl_chunk(smem, logits, seen, z, *per_row["lses"])
-                    if kl_values is not None:
-                        results["kl"] = kl_values
-                else:
-                    results.update(_attention_chunk(smem, logits, seen))
-                if results:
-                    store_chunk(geo, smem, ref, results, (first + chunk * queries) * group,
-                                count - chunk * queries)  # fmt: skip
-                if keeps_teacher:  # an entry's rows hold one teacher: its first row is stored
-                    store_chunk(geo, smem, ref, {"teacher": teacher}, first + chunk * queries,
-                                count - chunk * queries, stored_rows=1)  # fmt: skip
-                return carry
+                for turn in range(stages):
+                    pl.when(turn < turns)(lambda turn=turn: fetch(turn))
+                for bar in range(len(block_operands)):
+                    plgpu.barrier_wait(smem["key_bars"].at[bar])
+                slots = key_slot + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=col_layout)
+                slots = jnp.where(slots >= row_start, slots, NOT_VISIBLE)
+                key_segs = plgpu.load(smem["kseg"], layout=col_layout, optimized=False)
 
-            jax.lax.fori_loop(0, num_chunks, chunk_body, 0)
+                def chunk_body(turn, carry):
+                    slot, chunk = turn % stages, turn * groups + wg
+                    plgpu.barrier_wait(own["q_bars"].at[slot])
+                    plgpu.barrier_wait(own["data_bars"].at[slot])
+                    logits = matmul((rows, size), (own["q"].at[slot], smem["k"].transpose((1, 0))))
+                    per_row = {name: [plgpu.load(own[name].at[slot, c], layout=row_layout,
+                                                 optimized=False) for c in range(2)]
+                               for name in row_operands}  # fmt: skip
+                    seen = visible(per_row["data"], slots, key_segs, logits.shape)
+                    z, results = None, {}
+                    if student:
+                        z = matmul((rows, size),
+                                   (own["iq"].at[slot], smem["ik"].transpose((1, 0))))  # fmt: skip
+                    if student and not kl:  # the forward: the block's LSE_z; z is done with
+                        _, z_top, z_total = softmax_block(index_scale, z, seen)
+                        results["lse_z"] = block_lse(z_top, z_total)
+                    # every warp's wgmmas have read the slot's Q and index rows and its loads
+                    # its row data (a warpgroup barrier; the proxy fence orders those reads
+                    # before the TMA writes)
+                    plgpu.commit_smem()
+                    pl.when(turn + stages < turns)(lambda: fetch(turn + stages))
+                    teacher = None
+                    if kl:
+                        kl_values, teacher = _kl_chunk(own, logits, seen, z, *per_row["lses"])
+                        if kl_values is not None:
+                            results["kl"] = kl_values
+                    else:
+                        results.update(_attention_chunk(own, logits, seen))
+                    if results:
+                        store_chunk(geo, own, ref, results, (first + chunk * queries) * group,
+                                    count - chunk * queries)  # fmt: skip
+                    if keeps_teacher:  # an entry's rows hold one teacher: its first row is stored
+                        store_chunk(geo, own, ref, {"teacher": teacher}, first + chunk * queries,
+                                    count - chunk * queries, stored_rows=1)  # fmt: skip
+                    return carry
 
-        program = jax.lax.axis_index("sm")
-        chunks.for_each_segment((None,) * 4 + (ref["count"],), segment_body,
-                                grid=(program, num_programs(tiling)))  # fmt: skip
-        plgpu.wait_smem_to_gmem(0)
+                jax.lax.fori_loop(0, turns, chunk_body, 0)
 
-    def _attention_chunk(smem, logits, visible):
+            program_index = jax.lax.axis_index("sm")
+            chunks.for_each_segment((None,) * 4 + (ref["count"],), segment_body,
+                                    grid=(program_index, num_programs(tiling)))  # fmt: skip
+            plgpu.wait_smem_to_gmem(0)
+
+        if groups == 1:
+            return program(0)
+        wg = jax.lax.axis_index("wg")
+        for index in range(groups):
+            pl.when(wg == index)(functools.partial(program, index))
+
+    def _attention_chunk(own, logits, visible):
         """The forward's per-row results of a chunk: o / l (P·V on wgmma) and the block's LSE."""
         probs, top, total = softmax_block(geo.head_dim**-0.5, logits, visible)
-        smem["p"][...] = probs.astype(dtype)  # the last chunk's P·V has read it
+        own["p"][...] = probs.astype(dtype)  # the last chunk's P·V has read it
         plgpu.commit_smem()
-        out = matmul((rows, dim), (smem["p"], smem["v"]))
+        out = matmul((rows, dim), (own["p"], own["v"]))
         seen = total > 0
         out = out * broadcast(jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0), out.shape)
         return {"o": out.astype(dtype), "lse": block_lse(top, total)}
 
-    def _kl_chunk(smem, logits, visible, z, lse, lse_z):
+    def _kl_chunk(own, logits, visible, z, lse, lse_z):
         """The KL pass' per-row KL share of a chunk and its teacher [R, block]: P =
         exp(S·Dh^-½ - LSE) with the global LSE, the teacher A·P on wgmma, the student's
         log-probabilities. P goes through shared memory as a 16-bit high part and the rest
@@ -527,11 +558,11 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         the fp32 Triton kernels'); A is exact."""
         probs = normalised(geo.head_dim**-0.5, logits, lse, visible)
         high = probs.astype(dtype)  # the last chunk's teacher has read both parts
-        smem["p"][...] = high
-        smem["p_low"][...] = (probs - high.astype(jnp.float32)).astype(dtype)
+        own["p"][...] = high
+        own["p_low"][...] = (probs - high.astype(jnp.float32)).astype(dtype)
         plgpu.commit_smem()
-        average = smem["average"]
-        teacher = matmul((rows, size), (average, smem["p"]), (average, smem["p_low"]))
+        average = own["average"]
+        teacher = matmul((rows, size), (average, own["p"]), (average, own["p_low"]))
         if z is None:  # the teacher alone
             return None, teacher
         return kl_rows(teacher, z * index_scale - broadcast(lse_z, z.shape)), teacher
@@ -549,45 +580,57 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # Mosaic GPU's own interpreter (CPU tests); Pallas' generic one knows no TMA or wgmma
         interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **(dict(num_threads=groups, thread_name="wg") if groups > 1 else {}),
     )
     return dict(zip(outputs, run(*operands.values())))
 
 
+OWN = "_wg"  # the suffix of a warpgroup's own buffers in `_scratch`: q_wg0, q_wg1, ...
+
+
+def own_buffers(smem: dict, wg: int) -> dict:
+    """Warpgroup `wg`'s view of the kernel's shared memory: its own buffers (ring, stagings,
+    their barriers) under their plain names, beside the shared ones (the block's operands)."""
+    suffix = f"{OWN}{wg}"
+    own = {name: buffer for name, buffer in smem.items() if OWN not in name}
+    own.update({name.removesuffix(suffix): buffer for name, buffer in smem.items()
+                if name.endswith(suffix)})  # fmt: skip
+    return own
+
+
 def _scratch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, key_copies: int):
     """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the same): the
-    block's operands, the rings of chunk operands, P, the output staging `<output>_out`."""
+    block's operands, and per warpgroup (`own_buffers`) the rings of chunk operands, P and the
+    output stagings `<output>_out`."""
     rows, size, stages, dtype = tiling.rows, geo.block_size, tiling.stages, operands["q"].dtype
 
     tiles = functools.partial(tiles_of, dtype)
     index_dim = operands["iq"].shape[1] if "iq" in operands else 0
-    scratch = {"k": tiles(size, geo.head_dim)}
+    scratch = {"k": tiles(size, geo.head_dim), "kseg": plgpu.SMEM((size,), jnp.int32)}
+    own = dict(q=tiles(stages, rows, geo.head_dim), data=plgpu.SMEM((stages, 2, rows), jnp.int32),
+               p=tiles(rows, size))  # fmt: skip
     if "v" in operands:
         scratch["v"] = tiles(size, geo.head_dim)
-    scratch.update(
-        kseg=plgpu.SMEM((size,), jnp.int32),
-        q=tiles(stages, rows, geo.head_dim),
-        data=plgpu.SMEM((stages, 2, rows), jnp.int32),
-        p=tiles(rows, size),
-    )
     if index_dim:
-        scratch.update(ik=tiles(size, index_dim), iq=tiles(stages, rows, index_dim))
+        scratch["ik"] = tiles(size, index_dim)
+        own["iq"] = tiles(stages, rows, index_dim)
     if "lses" in operands:
-        scratch.update(
-            lses=plgpu.SMEM((stages, 2, rows), jnp.float32),
-            average=tiles(rows, rows),
-            p_low=tiles(rows, size),
-            average_bar=plgpu.Barrier(num_barriers=1),
-        )
+        scratch.update(average=tiles(rows, rows), average_bar=plgpu.Barrier(num_barriers=1))
+        own.update(lses=plgpu.SMEM((stages, 2, rows), jnp.float32), p_low=tiles(rows, size))
     for name, out in outputs.items():
         if name == "teacher":  # fp32 rows stored one by one: unswizzled
-            scratch[f"{name}_out"] = padded_rows(rows, out.shape[1], out.dtype)
+            own[f"{name}_out"] = padded_rows(rows, out.shape[1], out.dtype)
         elif len(out.shape) == 2:
-            scratch[f"{name}_out"] = tiles(rows, out.shape[1])
+            own[f"{name}_out"] = tiles(rows, out.shape[1])
         else:
-            scratch[f"{name}_out"] = plgpu.SMEM((rows,), out.dtype)
-    scratch.update(
-        key_bars=plgpu.Barrier(num_barriers=key_copies),
+            own[f"{name}_out"] = plgpu.SMEM((rows,), out.dtype)
+    own.update(
         q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 1, index_dim), num_barriers=stages),
         data_bars=plgpu.Barrier(num_arrivals=2 if "lses" in operands else 1, num_barriers=stages),
     )
+    scratch["key_bars"] = plgpu.Barrier(num_barriers=key_copies)
+    if tiling.warpgroups > 1:
+        scratch["pair_bar"] = plgpu.Barrier(num_arrivals=tiling.warpgroups)
+    for wg in range(tiling.warpgroups):
+        scratch.update({f"{name}{OWN}{wg}": buffer for name, buffer in own.items()})
     return scratch

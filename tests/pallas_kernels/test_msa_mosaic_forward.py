@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.msa import mosaic_forward, mosaic_student, pallas, reference
 
@@ -55,8 +56,10 @@ def student(kv_heads: int, seq: int, batch: int):
     return bf16(keys[0], (batch, seq, kv_heads, INDEX_DIM)), bf16(keys[1], (batch, seq, INDEX_DIM))
 
 
-def mosaic(segment_chunks: int = 2, stages: int = 2, kl_kernel: str = "pass") -> pallas.Config:
-    tiling = mosaic_forward.Tiling(segment_chunks=segment_chunks, stages=stages)
+def mosaic(segment_chunks: int = 2, stages: int = 2, kl_kernel: str = "pass",
+           warpgroups: int = 1) -> pallas.Config:  # fmt: skip
+    tiling = mosaic_forward.Tiling(segment_chunks=segment_chunks, stages=stages,
+                                   warpgroups=warpgroups)  # fmt: skip
     return pallas.Config(forward_kernel="mosaic", mosaic=tiling, kl_kernel=kl_kernel)
 
 
@@ -64,14 +67,17 @@ def as_f32(x):
     return np.asarray(jnp.asarray(x, jnp.float32))
 
 
-@pytest.mark.parametrize("group, kv_heads, stages", [(4, 2, 2), (16, 1, 3)])
-def test_forward_matches_reference(group, kv_heads, stages):
+@pytest.mark.parametrize("group, kv_heads, stages, warpgroups",
+                         [(4, 2, 2, 1), (16, 1, 3, 1), (4, 2, 3, 2), (16, 1, 2, 2)])
+def test_forward_matches_reference(group, kv_heads, stages, warpgroups):
     """G = 4 (entries padded to 8 rows, 8 queries a chunk) and G = 16 (4 queries a chunk); rows
-    R = 64, the one size the kernel takes (128 would not fit one warpgroup's registers)."""
+    R = 64, the one size the kernel takes (128 would not fit one warpgroup's registers); one
+    warpgroup a program, or two taking a segment's chunks in turn (segments of 2 chunks: many
+    give the second warpgroup one chunk or none)."""
     q, k, v, blocks, segments, positions = args = inputs(group, kv_heads)
     assert (np.asarray(blocks) == -1).any() and (np.asarray(blocks) >= 0).any()
-    out, none = pallas.sparse_attention(*args, block_size=BLOCK, config=mosaic(stages=stages),
-                                        interpret=True)  # fmt: skip
+    config = mosaic(stages=stages, warpgroups=warpgroups)
+    out, none = pallas.sparse_attention(*args, block_size=BLOCK, config=config, interpret=True)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     expected, _ = reference.sparse_attention(*f32, blocks, segments, positions, block_size=BLOCK)
     assert none is None and out.dtype == q.dtype and out.shape == q.shape
@@ -172,25 +178,32 @@ def test_student_gradients_equal_the_triton_forwards(group, kv_heads):
                            gradients(pallas.Config(), *args, index=index))  # fmt: skip
 
 
-@pytest.mark.parametrize("with_student, kl_kernel", [(False, "pass"), (True, "pass"),
-                                                     (True, "slots")])  # fmt: skip
-def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel):
+@pytest.mark.parametrize("with_student, kl_kernel, warpgroups",
+                         [(False, "pass", 1), (True, "pass", 1), (True, "slots", 1),
+                          (False, "pass", 2), (True, "slots", 2)])  # fmt: skip
+def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel, warpgroups):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints) runs on CPU: the forward
     kernel, with a student also its LSE_z outputs and the KL pass (Di = 128, M3's); with the KL
     on slots also the forward without the student, the teacher pass and the student's KL kernel
-    (beside the first two, which a window of more segments than the slots hold takes)."""
+    (beside the first two, which a window of more segments than the slots hold takes). With two
+    warpgroups, the attention pass without the student runs them (the other passes one)."""
 
     def forward(q, k, v, blocks, segments, positions, *index):
+        config = mosaic(16, kl_kernel=kl_kernel, warpgroups=warpgroups)
         return pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
-                                       student=index or None,
-                                       config=mosaic(16, kl_kernel=kl_kernel),
+                                       student=index or None, config=config,
                                        interpret=False)  # fmt: skip
 
-    text = jax.jit(forward).trace(*cuda_operands(with_student)).lower(
-        lowering_platforms=("cuda",)
-    ).as_text()
+    with mock.patch.object(plgpu, "kernel", wraps=plgpu.kernel) as launches:
+        text = jax.jit(forward).trace(*cuda_operands(with_student)).lower(
+            lowering_platforms=("cuda",)
+        ).as_text()
     kernels = {"pass": 2, "slots": 5}[kl_kernel] if with_student else 1
     assert text.count("custom_call @mosaic_gpu") == kernels
+    names = [(call.args[0].__name__, call.kwargs.get("num_threads", 1))
+             for call in launches.call_args_list]  # fmt: skip
+    paired = {name for name, threads in names if threads == 2}
+    assert paired == ({"msa_mosaic_forward"} if warpgroups == 2 else set()), names
 
 
 def cuda_operands(with_student: bool) -> tuple:
