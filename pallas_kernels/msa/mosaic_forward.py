@@ -49,8 +49,11 @@ grid avoids a launch-size that depends on the data and keeps the per-program set
 shared-memory carve-out) out of the per-segment cost. Within a segment, the chunks' Q copies go
 through a ring of `stages` shared-memory buffers, so the next chunks' TMA overlaps this chunk's
 math; output stores are asynchronous TMA and are waited on only before the staging buffer is
-reused. A segment's own K and V copies are not overlapped with the previous segment's math (one
-warpgroup, no warp specialisation yet).
+reused. A segment's own K and V copies are not overlapped with the previous segment's math (no
+warp specialisation yet). `Tiling.warpgroups = 2` runs the attention pass without a student on
+two warpgroups a program that take a segment's chunks in turn, each with its own ring and
+stagings, so that one's softmax can run beside the other's wgmmas; the passes with a student and
+the KL pass keep one (two rings and stagings would not fit shared memory).
 
 On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, top-16, S = 32K), the attention forward
 without a student took 14.3 ms against the Triton path's 28.4 (kernel 8.8 ms against 22.9 for
