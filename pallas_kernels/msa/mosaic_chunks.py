@@ -75,9 +75,11 @@ def segment_row(ref, index) -> tuple:
     return tuple(ref["table"][index, column] for column in range(TABLE_COLUMNS))
 
 
-def copy_whole(ref, smem, name: str) -> None:
-    """TMA-copy operand `name` into shared memory once per program (the averaging matrix)."""
-    plgpu.copy_gmem_to_smem(ref[name], smem[name], smem[f"{name}_bar"].at[0])
+def copy_whole(ref, smem, name: str, issues: bool = True) -> None:
+    """TMA-copy operand `name` into shared memory once per program (the averaging matrix) and
+    wait for it: the copy by the one warpgroup that `issues` it, the wait by each."""
+    if issues:
+        plgpu.copy_gmem_to_smem(ref[name], smem[name], smem[f"{name}_bar"].at[0])
     plgpu.barrier_wait(smem[f"{name}_bar"].at[0])
 
 

@@ -143,28 +143,38 @@ class Tiling:
 def shared_bytes(
     tiling: Tiling, head_dim: int, block_size: int, index_dim: int = 0, itemsize: int = 2
 ) -> int:
-    """Shared memory of one program (`_scratch`): the forward's K, V and key segment ids, and
-    per warpgroup its Q ring, P, output staging and row data; with a student (index_dim > 0,
-    one warpgroup) also the index-key block, the index-row ring and the LSE_z staging, and the
-    larger of that and the KL pass' (K, index keys, the two rings, P's two parts, the averaging
-    matrix, row data and LSEs, the KL and fp32 teacher staging)."""
-    rows, stages = tiling.rows, tiling.stages
-
-    def attention_pass(groups: int, index_dim: int) -> int:  # the block's, then per warpgroup
-        own_tiles = ((stages + 1) * rows * head_dim + rows * block_size
-                     + stages * rows * index_dim)  # fmt: skip
-        tiles = (2 * head_dim + index_dim) * block_size + groups * own_tiles
-        words = block_size + groups * (2 * stages + 1 + (index_dim > 0)) * rows
-        return tiles * itemsize + 4 * words
-
-    forward = attention_pass(tiling.warpgroups, 0)
+    """Shared memory of one program (`_scratch`), the largest of the kernels: the attention
+    pass without a student on the tiling's warpgroups; with a student (index_dim > 0) also that
+    pass with the student's operands and the KL pass, on one (the teacher pass takes two only
+    where they fit, `_warpgroups`)."""
+    forward = attention_bytes(tiling, tiling.warpgroups, head_dim, block_size, 0, itemsize)
     if not index_dim:
         return forward
-    forward = max(forward, attention_pass(1, index_dim))
-    index_tiles = (block_size + stages * rows) * index_dim
-    tiles = (block_size + stages * rows) * head_dim + rows * (2 * block_size + rows) + index_tiles
-    words = block_size + (4 * stages + 1) * rows + rows * (block_size + ROW_PAD)
-    return max(forward, tiles * itemsize + 4 * words)
+    return max(forward, attention_bytes(tiling, 1, head_dim, block_size, index_dim, itemsize),
+               kl_bytes(tiling, 1, head_dim, block_size, index_dim, itemsize))  # fmt: skip
+
+
+def attention_bytes(tiling: Tiling, groups: int, head_dim: int, block_size: int,
+                    index_dim: int, itemsize: int = 2) -> int:  # fmt: skip
+    """The attention pass': the block's K, V (index keys) and key segment ids, then per
+    warpgroup its Q (and index-row) ring, P, output staging, row data, LSE (and LSE_z)."""
+    rows, stages = tiling.rows, tiling.stages
+    own_tiles = (stages + 1) * rows * head_dim + rows * block_size + stages * rows * index_dim
+    tiles = (2 * head_dim + index_dim) * block_size + groups * own_tiles
+    words = block_size + groups * (2 * stages + 1 + (index_dim > 0)) * rows
+    return tiles * itemsize + 4 * words
+
+
+def kl_bytes(tiling: Tiling, groups: int, head_dim: int, block_size: int, index_dim: int,
+             itemsize: int = 2) -> int:  # fmt: skip
+    """The KL pass' (the teacher pass' without a student): the block's K (index keys), key
+    segment ids and the averaging matrix, then per warpgroup its rings, P's two parts, row data
+    and LSEs, the KL staging (with a student) and the fp32 teacher staging."""
+    rows, stages = tiling.rows, tiling.stages
+    own_tiles = stages * rows * (head_dim + index_dim) + 2 * rows * block_size
+    tiles = (head_dim + index_dim) * block_size + rows * rows + groups * own_tiles
+    own_words = 4 * stages * rows + (index_dim > 0) * rows + rows * (block_size + ROW_PAD)
+    return tiles * itemsize + 4 * (block_size + groups * own_words)
 
 
 def unsupported_reason(
@@ -452,8 +462,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, operands["q"].dtype
     student, kl, keeps_teacher = "iq" in operands, "lses" in operands, "teacher" in outputs
-    if student or kl:  # two warpgroups' rings and stagings would not fit shared memory
-        tiling = dataclasses.replace(tiling, warpgroups=1)
+    tiling = dataclasses.replace(tiling, warpgroups=_warpgroups(geo, tiling, student, kl))
     groups = tiling.warpgroups
     index_scale = operands["iq"].shape[1] ** -0.5 if student else None
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -462,11 +471,11 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
     def kernel(*refs, **smem):
         ref = dict(zip([*operands, *outputs], refs))
-        if kl:
-            copy_whole(ref, smem, "average")
 
         def program(wg: int):
             own = own_buffers(smem, wg)
+            if kl:  # the averaging matrix, once a program
+                copy_whole(ref, smem, "average", issues=wg == 0)
 
             def segment_body(index, part):
                 del part  # whole blocks
@@ -586,6 +595,18 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         **(dict(num_threads=groups, thread_name="wg") if groups > 1 else {}),
     )
     return dict(zip(outputs, run(*operands.values())))
+
+
+def _warpgroups(geo: chunks.Geometry, tiling: Tiling, student: bool, kl: bool) -> int:
+    """A pass' warpgroups a program: the tiling's for the attention pass without a student, and
+    for the teacher pass where two rings and stagings fit shared memory (`kl_bytes`: at one
+    ring stage, not two); one for the passes with a student."""
+    if student:
+        return 1
+    if kl:
+        needed = kl_bytes(tiling, tiling.warpgroups, geo.head_dim, geo.block_size, 0)
+        return tiling.warpgroups if needed <= SHARED_BYTES else 1
+    return tiling.warpgroups
 
 
 OWN = "_wg"  # the suffix of a warpgroup's own buffers in `_scratch`: q_wg0, q_wg1, ...

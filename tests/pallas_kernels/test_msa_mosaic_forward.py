@@ -87,17 +87,19 @@ def test_forward_matches_reference(group, kv_heads, stages, warpgroups):
     np.testing.assert_allclose(as_f32(out[0, -3]), own_values, atol=OUT_TOLERANCE)
 
 
-@pytest.mark.parametrize("group, kv_heads, kl_kernel", [(4, 2, "pass"), (16, 1, "pass"),
-                                                        (4, 2, "slots"), (16, 1, "slots")])
-def test_forward_with_student_matches_reference(group, kv_heads, kl_kernel):
+@pytest.mark.parametrize("group, kv_heads, kl_kernel, warpgroups",
+                         [(4, 2, "pass", 1), (16, 1, "pass", 1), (4, 2, "slots", 1),
+                          (16, 1, "slots", 1), (16, 1, "slots", 2)])  # fmt: skip
+def test_forward_with_student_matches_reference(group, kv_heads, kl_kernel, warpgroups):
     """With the student: out and the KL per (query, kv head) against the reference, on the packed
     row (the forward kernel's per-entry LSE_z combined, then on the global LSEs the KL pass; or
     the attention pass without the student, the teacher pass and the student's kernel on slots
-    of entries)."""
+    of entries; with two warpgroups at one ring stage, the attention and teacher passes on
+    both)."""
     q, k, v, blocks, segments, positions = args = inputs(group, kv_heads, batch=1)
     assert (np.asarray(blocks) == -1).any()
     index = student(kv_heads, q.shape[1], 1)
-    config = mosaic(kl_kernel=kl_kernel)
+    config = mosaic(stages=3 - warpgroups, kl_kernel=kl_kernel, warpgroups=warpgroups)
     with mock.patch.object(mosaic_student, "kl_terms", wraps=mosaic_student.kl_terms) as slots:
         out, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index, config=config,
                                           interpret=True)  # fmt: skip
@@ -178,18 +180,19 @@ def test_student_gradients_equal_the_triton_forwards(group, kv_heads):
                            gradients(pallas.Config(), *args, index=index))  # fmt: skip
 
 
-@pytest.mark.parametrize("with_student, kl_kernel, warpgroups",
-                         [(False, "pass", 1), (True, "pass", 1), (True, "slots", 1),
-                          (False, "pass", 2), (True, "slots", 2)])  # fmt: skip
-def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel, warpgroups):
+@pytest.mark.parametrize("with_student, kl_kernel, warpgroups, stages",
+                         [(False, "pass", 1, 2), (True, "pass", 1, 2), (True, "slots", 1, 2),
+                          (False, "pass", 2, 2), (True, "slots", 2, 2), (True, "slots", 2, 1)])
+def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel, warpgroups, stages):
     """Mosaic GPU's lowering (layout inference, TMA and tile constraints) runs on CPU: the forward
     kernel, with a student also its LSE_z outputs and the KL pass (Di = 128, M3's); with the KL
     on slots also the forward without the student, the teacher pass and the student's KL kernel
     (beside the first two, which a window of more segments than the slots hold takes). With two
-    warpgroups, the attention pass without the student runs them (the other passes one)."""
+    warpgroups, the attention pass without the student runs them, and the teacher pass where
+    they fit (one ring stage); the passes with a student run one."""
 
     def forward(q, k, v, blocks, segments, positions, *index):
-        config = mosaic(16, kl_kernel=kl_kernel, warpgroups=warpgroups)
+        config = mosaic(16, stages, kl_kernel=kl_kernel, warpgroups=warpgroups)
         return pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
                                        student=index or None, config=config,
                                        interpret=False)  # fmt: skip
@@ -203,7 +206,10 @@ def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel, warpgroups):
     names = [(call.args[0].__name__, call.kwargs.get("num_threads", 1))
              for call in launches.call_args_list]  # fmt: skip
     paired = {name for name, threads in names if threads == 2}
-    assert paired == ({"msa_mosaic_forward"} if warpgroups == 2 else set()), names
+    expected = {"msa_mosaic_forward"} if warpgroups == 2 else set()
+    if warpgroups == 2 and stages == 1 and with_student:
+        expected.add("msa_mosaic_teacher_pass")
+    assert paired == expected, names
 
 
 def cuda_operands(with_student: bool) -> tuple:
