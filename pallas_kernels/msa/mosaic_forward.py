@@ -52,8 +52,8 @@ math; output stores are asynchronous TMA and are waited on only before the stagi
 reused. A segment's own K and V copies are not overlapped with the previous segment's math (no
 warp specialisation yet). `Tiling.warpgroups = 2` runs the attention pass without a student on
 two warpgroups a program that take a segment's chunks in turn, each with its own ring and
-stagings, so that one's softmax can run beside the other's wgmmas; the passes with a student and
-the KL pass keep one (two rings and stagings would not fit shared memory).
+stagings, so that one's softmax can run beside the other's wgmmas; so does the teacher pass
+where two fit shared memory (at one ring stage), while the passes with a student keep one.
 
 On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, top-16, S = 32K), the attention forward
 without a student took 14.3 ms against the Triton path's 28.4 (kernel 8.8 ms against 22.9 for
@@ -129,7 +129,8 @@ class Tiling:
     # `shared_bytes` at Dh = 128, stages = 2: 130 KiB, so a second program does not fit an SM
     programs_per_core: int = 1
     # 2: the attention pass without a student runs two warpgroups a program, taking a segment's
-    # chunks in turn (its KL pass and the passes with a student run one); the backward's
+    # chunks in turn, and so does the teacher pass where they fit (`_warpgroups`: at one ring
+    # stage; the passes with a student run one); the backward's
     # gradients kernel a block's two key halves, one warpgroup each, over one ring of Q and dO
     # (mosaic_backward.py)
     warpgroups: int = 1
@@ -455,10 +456,9 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     """One persistent kernel over the segments -> its outputs by name. The forward has operand
     v (P·V; outputs o, lse); the KL pass has lses and average (output kl); index rows and keys
     (iq, ik) add the student's logits z = index_q·index_kᵀ (the forward's output lse_z). With
-    `tiling.warpgroups` = 2 (the attention pass without a student) the two warpgroups take a
-    segment's chunks in turn, each with its own ring and stagings, over the block's K and V that
-    warpgroup 0 loads once both are done with the last segment's: one's softmax runs while the
-    other's wgmmas do."""
+    two warpgroups (a pass without a student, `_warpgroups`) they take a segment's chunks in
+    turn, each with its own ring and stagings, over the block's K and V that warpgroup 0 loads
+    once both are done with the last segment's: one's softmax runs while the other's wgmmas do."""
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, operands["q"].dtype
     student, kl, keeps_teacher = "iq" in operands, "lses" in operands, "teacher" in outputs
