@@ -41,6 +41,7 @@ student's (109 ms before it moved to slots; benchmarks/RESULTS.md, 2026-12-03).
 Shapes: as mosaic_forward.py's; P = 64 keys of an item (KEY_PARTS = 2 per block).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -91,10 +92,14 @@ def shared_bytes(
 def unsupported_reason(
     dtype, group: int, head_dim: int, block_size: int, tiling: Tiling, index_dim: int = 0
 ) -> str:
-    """Why the Mosaic backward can't take these operands ('' when it can): the forward's limits
-    (`mosaic_forward.unsupported_reason`: dtype, tiles, block size) and its own shared memory."""
-    reason = mosaic_forward.unsupported_reason(dtype, group, head_dim, block_size, tiling,
-                                               index_dim)  # fmt: skip
+    """Why the Mosaic backward can't take these operands ('' when it can): its warpgroups (key
+    halves), the forward's limits on one warpgroup (`mosaic_forward.unsupported_reason`: dtype,
+    tiles, block size; the forward's two warpgroups take chunks in turn, not key halves) and
+    its own shared memory."""
+    if tiling.warpgroups not in (1, KEY_PARTS):
+        return f"warpgroups={tiling.warpgroups} is not one of {(1, KEY_PARTS)}"
+    one = dataclasses.replace(tiling, warpgroups=1)
+    reason = mosaic_forward.unsupported_reason(dtype, group, head_dim, block_size, one, index_dim)
     halves = KEY_PARTS * mosaic_forward.HEAD_DIM_MULTIPLE  # two warpgroups' dQ columns
     if not reason and tiling.warpgroups == KEY_PARTS and head_dim % halves:
         reason = f"head_dim={head_dim} does not split into two warpgroups' dQ columns"
