@@ -83,7 +83,10 @@ class Config:
     # "triton": LSE pass + forward pass; "mosaic": the Mosaic GPU forward (+ KL pass); "auto":
     # Mosaic where `concrete` picks it
     forward_kernel: str = "auto"
-    mosaic: mosaic_forward.Tiling = mosaic_forward.Tiling()
+    # the attention and teacher passes on two warpgroups a program, one Q stage each (the
+    # layer's forward 1.17x at 128K and 1.19x at 32K, fwd+bwd 1.06x and 1.08x, on the H100,
+    # benchmarks/RESULTS.md, 2026-12-07); `concrete` takes one where they do not fit
+    mosaic: mosaic_forward.Tiling = mosaic_forward.Tiling(stages=1, warpgroups=2)
     # "triton": backward_kernel.py; "mosaic": the Mosaic GPU backward (mosaic_backward.py); "auto":
     # Mosaic where `concrete` picks it
     backward_kernel: str = "auto"
@@ -164,31 +167,41 @@ def concrete(
     compiled for a GPU, with each entry's G heads copied straight from q (G a multiple of 8: the
     layouts timed) and within the Mosaic forward's limits, else "triton". The backward: "mosaic"
     where the forward resolved to it and the Mosaic backward's limits hold (1.08x small-gpu's
-    training step at 4K rows and at 32K, benchmarks/RESULTS.md), else "triton". A Mosaic
-    backward, "auto" or pinned, runs one warpgroup a program where the tiling's two do not fit
-    (Dh not in two halves of 64, shared memory). `index_q` is q without a student."""
+    training step at 4K rows and at 32K, benchmarks/RESULTS.md), else "triton". A Mosaic forward
+    or backward, "auto" or pinned, runs one warpgroup a program where the tiling's two do not fit
+    (shared memory; the backward's Dh not in two halves of 64). `index_q` is q without a
+    student."""
     group = q.shape[2] // k.shape[2]
     index_dim = 0 if index_q is q else index_q.shape[3]
     limits = (q.dtype, group, q.shape[3], block_size)
+    forward_fits = _fitting(
+        config.mosaic, lambda t: mosaic_forward.unsupported_reason(*limits, t, index_dim)
+    )
     if config.forward_kernel == "auto":
         mosaic = (
             not _interpret(interpret)
             and mosaic_forward.gathers_queries(group)
-            and not mosaic_forward.unsupported_reason(*limits, config.mosaic, index_dim)
+            and bool(forward_fits)
         )
         config = dataclasses.replace(config, forward_kernel="mosaic" if mosaic else "triton")
-    configured = config.mosaic_backward  # the tiling asked for, then one warpgroup a program
-    fits = [
-        tiling
-        for tiling in dict.fromkeys((configured, dataclasses.replace(configured, warpgroups=1)))
-        if not mosaic_backward.unsupported_reason(*limits, tiling, index_dim)
-    ]
+    if config.uses_mosaic and forward_fits:
+        config = dataclasses.replace(config, mosaic=forward_fits[0])
+    fits = _fitting(
+        config.mosaic_backward, lambda t: mosaic_backward.unsupported_reason(*limits, t, index_dim)
+    )
     if config.backward_kernel == "auto":
         mosaic = config.uses_mosaic and bool(fits)
         config = dataclasses.replace(config, backward_kernel="mosaic" if mosaic else "triton")
     if config.backward_kernel == "mosaic" and fits:
         config = dataclasses.replace(config, mosaic_backward=fits[0])
     return config
+
+
+def _fitting(tiling, reason) -> list:
+    """`tiling`, then the same on one warpgroup a program, those `reason` (a kernel's
+    `unsupported_reason` of a tiling) finds no fault with."""
+    tilings = dict.fromkeys((tiling, dataclasses.replace(tiling, warpgroups=1)))
+    return [t for t in tilings if not reason(t)]
 
 
 def _power_of_two(n: int) -> bool:
