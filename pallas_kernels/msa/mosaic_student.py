@@ -133,7 +133,7 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
               operands: dict, window: dict, index_keys, bound: int, *,
               interpret: bool = False):  # fmt: skip
     """A window's student gradients: (d(index_q) shares [1, E, Di] fp32 at sorted positions,
-    d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for `mosaic_backward.sum_partials`).
+    d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for `mosaic_backward.add_partials`).
 
     tiling: the gradients kernel's (its programs); operands: its walk operands (the segment
     table, count and kseg are read); window: as `mosaic_backward.window_gradients`', with the

@@ -620,10 +620,9 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
                         d_kl=d_kl, index_q=index_q, segment_ids=segment_ids, offset=offset,
                         teacher=teacher)  # fmt: skip
-        dq_e, *new, diq_e, dik = mosaic_backward.window_gradients(
-            geo, tiling, lists, operands, keys, index_keys, **kernels
+        dq_e, sums, diq_e = mosaic_backward.window_gradients(
+            geo, tiling, lists, operands, keys, index_keys, sums=sums, **kernels
         )
-        sums = tuple(total + x for total, x in zip(sums, new + ([dik] if with_student else [])))
         dq = selection_sums(dq_e, lists, valid).reshape(q.shape).astype(q.dtype)
         diq = selection_sums(diq_e, lists, valid).astype(index_q.dtype) if with_student else None
         return sums, (dq, diq)

@@ -253,17 +253,28 @@ def test_auto_takes_the_mosaic_backward_where_the_mosaic_forward_runs_and_it_fit
     assert pallas.unsupported_reason(q8, k8, q8, block_size=BLOCK, config=pinned) == ""
 
 
-def test_sums_poison_a_window_with_more_segments_than_room():
-    """More segments than `segment_bound` made room for: NaN sums, not silently dropped ones."""
+def test_partials_add_into_their_keys_and_poison_a_window_with_more_segments_than_room():
+    """Per-item sums land in their keys' rows of the running sums (added to what they held, the
+    key window's front padding dropped); more segments than `segment_bound` made room for: NaN
+    in the rows they reach, not silently dropped sums."""
     geo = pallas.chunks.Geometry(batch=1, seq=256, window=256, num_heads=8, num_kv_heads=1,
                                  head_dim=64, index_dim=64, topk=2, block_size=BLOCK,
                                  chunk_queries=8)  # fmt: skip
     bound = mosaic_backward.segment_bound(geo, mosaic_forward.Tiling())
-    table = jnp.zeros((geo.entries, mosaic_forward.TABLE_COLUMNS), jnp.int32)
-    partials = jnp.ones((bound * mosaic_backward.KEY_PARTS * mosaic_backward.PART_KEYS, 64))
-    sums = [mosaic_backward.sum_partials(geo, table, jnp.array([n]), partials, bound, heads=1)
+    table = np.zeros((geo.entries, mosaic_forward.TABLE_COLUMNS), np.int32)
+    # segments alternate between the row's first key and half a block before it
+    first = np.where(np.arange(geo.entries) % 2, BLOCK, BLOCK // 2)
+    table[:, 2], table[:, 3] = np.divmod(first, mosaic_forward.TILE_ROWS)
+    items = bound * mosaic_backward.KEY_PARTS * mosaic_backward.PART_KEYS
+    partials = jnp.ones((items, 64))
+    total = jnp.full((1, geo.seq, 1, 64), 0.5)
+    sums = [mosaic_backward.add_partials(geo, jnp.asarray(table), jnp.array([n]), partials,
+                                         bound, total=total)[0, :, 0, 0]
             for n in (bound, bound + 1)]  # fmt: skip
-    assert np.isfinite(sums[0]).all() and np.isnan(sums[1]).all()
+    keys = np.arange(geo.seq)
+    reached = (keys < BLOCK) * (bound // 2) + (keys < BLOCK // 2) * (bound - bound // 2)
+    np.testing.assert_array_equal(sums[0], 0.5 + reached)
+    assert np.isnan(sums[1][:BLOCK]).all() and (sums[1][BLOCK:] == 0.5).all()
 
 
 @pytest.mark.parametrize("with_student", [False, True])
