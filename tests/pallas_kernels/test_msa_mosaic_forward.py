@@ -266,3 +266,17 @@ def test_auto_takes_the_mosaic_forward_only_compiled_on_the_layouts_it_was_timed
     assert kernel(q8, k8, block_size=64) == "triton"
     explicit = pallas.Config(forward_kernel="triton", backward_kernel="triton")
     assert pallas.concrete(explicit, q8, k8, q8, BLOCK, False) is explicit
+
+
+def test_the_forward_takes_one_warpgroup_where_the_default_two_do_not_fit():
+    """The default tiling's two warpgroups a program, and one where their shared memory is over
+    the limit (Dh = 256: 296,960 bytes on two, 214,272 on one) instead of the Triton forward."""
+
+    def compiled_for(head_dim: int) -> pallas.Config:
+        q, k, *_ = inputs(8, 2, seq=8, batch=1, head_dim=head_dim)
+        return pallas.concrete(pallas.Config(), q, k, q, BLOCK, False)
+
+    assert pallas.Config().mosaic.warpgroups == 2
+    wide = compiled_for(256)
+    assert wide.forward_kernel == "mosaic" and wide.mosaic.warpgroups == 1
+    assert compiled_for(128).mosaic.warpgroups == 2
