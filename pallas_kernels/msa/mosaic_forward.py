@@ -54,6 +54,9 @@ warp specialisation yet). `Tiling.warpgroups = 2` runs the attention pass withou
 two warpgroups a program that take a segment's chunks in turn, each with its own ring and
 stagings, so that one's softmax can run beside the other's wgmmas; so does the teacher pass
 where two fit shared memory (at one ring stage), while the passes with a student keep one.
+`pallas.Config`'s default is two warpgroups at one ring stage: on an H100 at M3's layout the
+layer's forward took 112.9 ms at S = 128K against 131.6 on one warpgroup at two stages, and 24.5
+against 29.2 ms at 32K (benchmarks/RESULTS.md, 2026-12-07).
 
 On the H200 at M3's layout (64 q / 4 kv heads, Dh 128, top-16, S = 32K), the attention forward
 without a student took 14.3 ms against the Triton path's 28.4 (kernel 8.8 ms against 22.9 for
@@ -121,7 +124,7 @@ SHARED_BYTES = 227 * 1024  # the H200's shared memory per program
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Launch parameters of the Mosaic kernel (defaults not yet tuned on the H200)."""
+    """Launch parameters of the Mosaic kernel (pallas.Config holds the timed ones)."""
 
     rows: int = 64  # R = chunk_queries · Ge rows per chunk
     segment_chunks: int = 16  # chunks per segment: K/V loads amortised vs. load balance
