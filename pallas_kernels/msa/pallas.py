@@ -198,8 +198,8 @@ def concrete(
 
 
 def _fitting(tiling, reason) -> list:
-    """`tiling`, then the same on one warpgroup a program, those `reason` (a kernel's
-    `unsupported_reason` of a tiling) finds no fault with."""
+    """Of `tiling` and the same on one warpgroup a program, in that order, those that `reason`
+    (a kernel's `unsupported_reason` of a tiling) accepts."""
     tilings = dict.fromkeys((tiling, dataclasses.replace(tiling, warpgroups=1)))
     return [t for t in tilings if not reason(t)]
 
