@@ -87,10 +87,10 @@ def test_forward_matches_reference(group, kv_heads, stages, warpgroups):
     np.testing.assert_allclose(as_f32(out[0, -3]), own_values, atol=OUT_TOLERANCE)
 
 
-@pytest.mark.parametrize("group, kv_heads, kl_kernel, warpgroups",
-                         [(4, 2, "pass", 1), (16, 1, "pass", 1), (4, 2, "slots", 1),
-                          (16, 1, "slots", 1), (16, 1, "slots", 2)])  # fmt: skip
-def test_forward_with_student_matches_reference(group, kv_heads, kl_kernel, warpgroups):
+@pytest.mark.parametrize("group, kv_heads, kl_kernel, warpgroups, stages",
+                         [(4, 2, "pass", 1, 2), (16, 1, "pass", 1, 2), (4, 2, "slots", 1, 2),
+                          (16, 1, "slots", 1, 2), (16, 1, "slots", 2, 1)])  # fmt: skip
+def test_forward_with_student_matches_reference(group, kv_heads, kl_kernel, warpgroups, stages):
     """With the student: out and the KL per (query, kv head) against the reference, on the packed
     row (the forward kernel's per-entry LSE_z combined, then on the global LSEs the KL pass; or
     the attention pass without the student, the teacher pass and the student's kernel on slots
@@ -99,7 +99,7 @@ def test_forward_with_student_matches_reference(group, kv_heads, kl_kernel, warp
     q, k, v, blocks, segments, positions = args = inputs(group, kv_heads, batch=1)
     assert (np.asarray(blocks) == -1).any()
     index = student(kv_heads, q.shape[1], 1)
-    config = mosaic(stages=3 - warpgroups, kl_kernel=kl_kernel, warpgroups=warpgroups)
+    config = mosaic(stages=stages, kl_kernel=kl_kernel, warpgroups=warpgroups)
     with mock.patch.object(mosaic_student, "kl_terms", wraps=mosaic_student.kl_terms) as slots:
         out, kl = pallas.sparse_attention(*args, block_size=BLOCK, student=index, config=config,
                                           interpret=True)  # fmt: skip
