@@ -12,7 +12,8 @@ per query. This module builds the tables those kernels walk, in plain XLA (one s
   block. A kernel program takes a segment, loads the block's keys once, and walks its chunks.
 
 Per-entry kernel results live at the entry's sorted position; `by_selection` gathers them back to
-the [B, S, K, k] selection layout, where the combine is a plain reduction over k.
+the [B, S, K, k] selection layout, where the combine is a plain reduction over k, and
+`selection_sums` sums them over each query's k selections.
 
 Shapes: B batch, S keys per row, W queries per row in one call (a window of them), K kv heads,
 k selected blocks per query, E = B·W·K·k entries (static: invalid ones included).
@@ -101,3 +102,19 @@ def build(
 def by_selection(per_entry: jax.Array, lists: BlockLists, shape: tuple[int, ...]) -> jax.Array:
     """[E, ...] values at sorted positions -> [B, W, K, k, ...] at their selection slots."""
     return per_entry[lists.sorted_position].reshape(*shape, *per_entry.shape[1:])
+
+
+def selection_sums(shares: jax.Array, rows: jax.Array, valid: jax.Array) -> jax.Array:
+    """Σ over parts and over each query's k selections of `shares` [parts, R, ...] at `rows`
+    [B, W, K, k] (the row of each selection; invalid selections add 0) -> [B, W, K, ...] fp32.
+
+    One gather per (part, selection slot), added up: XLA fuses them into one pass whose loads
+    are independent. A gather of [B, W, K, k, ...] reduced over k made a loop of dependent loads
+    per output element: d(index_q)'s sum at 128K ran 4.5x slower on the H100
+    (benchmarks/RESULTS.md, 2026-12-07)."""
+    rows = jnp.where(valid, rows, shares.shape[1])  # past the end: filled with 0
+    total = jnp.float32(0.0)
+    for part in shares:
+        for slot_rows in jnp.moveaxis(rows, -1, 0):
+            total = total + part.at[slot_rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+    return total

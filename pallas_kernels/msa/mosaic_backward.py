@@ -154,8 +154,9 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
                      window: dict, keys, index_keys=None, *, sums: tuple,
                      interpret: bool = False):  # fmt: skip
     """One window's gradients: (dq shares [parts, E, G, Dh] in q's dtype at sorted positions
-    (parts: KEY_PARTS, or 1 with paired warpgroups), `sums` with the window's added, d(index_q)
-    shares [1, E, Di] fp32 with a student, else None).
+    (parts: KEY_PARTS, or 1 with paired warpgroups), `sums` with the window's added, with a
+    student d(index_q)'s (shares at slot rows, the slot row of each sorted entry) as
+    `mosaic_student.gradients` gives them, else None).
 
     window: q, d_out [B, W, H, Dh], lse, delta [B, W, K, G], segment_ids [B, S], offset; with a
     student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K] and the KL pass' teacher, or None:
@@ -192,9 +193,9 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
         return dq, tuple(new), None
     if "teacher" in results:
         w = dict(w, teacher=results["teacher"])
-    diq, dik = mosaic_student.gradients(geo, tiling, lists, operands, w, index_keys, bound,
-                                        interpret=interpret)  # fmt: skip
-    return dq, (*new, added(dik, total=sums[2])), diq
+    *diq, dik = mosaic_student.gradients(geo, tiling, lists, operands, w, index_keys, bound,
+                                         interpret=interpret)  # fmt: skip
+    return dq, (*new, added(dik, total=sums[2])), tuple(diq)
 
 
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):

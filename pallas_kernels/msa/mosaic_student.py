@@ -132,8 +132,10 @@ def shared_bytes(index_dim: int, itemsize: int = 2) -> int:
 def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,
               operands: dict, window: dict, index_keys, bound: int, *,
               interpret: bool = False):  # fmt: skip
-    """A window's student gradients: (d(index_q) shares [1, E, Di] fp32 at sorted positions,
-    d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for `mosaic_backward.add_partials`).
+    """A window's student gradients: (d(index_q) shares [KEY_PARTS, N·SLOT_ENTRIES, Di] fp32 at
+    slot rows, the slot row of each sorted entry [E] (`Slots.row_of_entry`: past the rows for
+    invalid ones), d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for
+    `mosaic_backward.add_partials`).
 
     tiling: the gradients kernel's (its programs); operands: its walk operands (the segment
     table, count and kseg are read); window: as `mosaic_backward.window_gradients`', with the
@@ -151,11 +153,11 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
         dik=jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, index_dim), jnp.float32),
     )
     results = _launch(geo, tiling, operands, outputs, interpret)
-    # the entries' rows of both key halves, then their sum: one pass over E rows, where summing
-    # the halves first reads and writes every slot row (2.1x E at bench-h200's bound)
-    parts = results["diq"].reshape(KEY_PARTS, -1, index_dim)
-    diq = parts.at[:, slots.row_of_entry].get(mode="fill", fill_value=0.0).sum(axis=0)
-    return diq[None], results["dik"]
+    # the caller sums the entries' rows of both key halves per query in one pass
+    # (`block_lists.selection_sums`), where summing the halves first reads and writes every slot
+    # row (2.1x E at bench-h200's bound)
+    diq = results["diq"].reshape(KEY_PARTS, -1, index_dim)
+    return diq, slots.row_of_entry, results["dik"]
 
 
 TERMS = ("lse_z", "cross", "mass")  # the forward's per-entry terms of the KL (`kl_terms`)

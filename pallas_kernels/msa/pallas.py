@@ -562,10 +562,13 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
                      lse_z, teacher)  # fmt: skip
         return (out, kl), residuals
 
-    def selection_sums(parts, lists, valid):
-        """Per-entry shares [parts, E, ...] -> their sums over each query's k selections
-        [B, W, K, ...] fp32."""
-        return sum(by_slot(p, lists, valid, 0.0).sum(axis=3, dtype=jnp.float32) for p in parts)
+    def selection_sums(parts, lists, valid, row_of_entry=None):
+        """Per-entry shares [parts, E, ...] (or [parts, R, ...] at `row_of_entry` [E], the row
+        of each sorted entry) -> their sums over each query's k selections [B, W, K, ...] fp32."""
+        rows = lists.sorted_position.reshape(selection_shape)
+        if row_of_entry is not None:
+            rows = row_of_entry[rows]
+        return block_lists.selection_sums(parts, rows, valid)
 
     def triton_window(geo, k, v, index_k, segments, sums, window):
         """The Triton backward of a window; sums: (added, stored) `accumulators`."""
@@ -624,7 +627,9 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             geo, tiling, lists, operands, keys, index_keys, sums=sums, **kernels
         )
         dq = selection_sums(dq_e, lists, valid).reshape(q.shape).astype(q.dtype)
-        diq = selection_sums(diq_e, lists, valid).astype(index_q.dtype) if with_student else None
+        diq = None
+        if with_student:
+            diq = selection_sums(diq_e[0], lists, valid, diq_e[1]).astype(index_q.dtype)
         return sums, (dq, diq)
 
     def backward(residuals, cotangents):

@@ -85,6 +85,21 @@ def test_by_selection_returns_values_to_their_slots():
     np.testing.assert_array_equal(back[..., 0].reshape(-1), np.arange(ids.size))
 
 
+def test_selection_sums_add_each_querys_valid_selections_over_parts():
+    rng = np.random.default_rng(2)
+    shape, rows_count = (2, 5, 3, 4), 50  # [B, W, K, k]; more rows than selections
+    shares = rng.standard_normal((2, rows_count, 3, 2)).astype(np.float32)
+    rows = rng.integers(0, rows_count, shape).astype(np.int32)
+    valid = rng.random(shape) > 0.3
+    got = block_lists.selection_sums(
+        jnp.asarray(shares, jnp.bfloat16), jnp.asarray(rows), jnp.asarray(valid)
+    )
+    shares = np.asarray(jnp.asarray(shares, jnp.bfloat16).astype(jnp.float32))
+    expected = (shares[:, rows] * valid[None, ..., None, None]).sum(axis=(0, 4))
+    assert got.dtype == jnp.float32 and got.shape == (*shape[:3], 3, 2)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_block_keys_that_would_overflow_int32_are_refused():
     with pytest.raises(ValueError, match="int32"):
         block_lists.block_key_range(1024, 1 << 20, 4)
