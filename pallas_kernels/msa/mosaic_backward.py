@@ -12,10 +12,12 @@ dO go through a ring of `stages` slots, with per-row data (slot, segment id) and
 dtype for dV += Pᵀ·dO, dK += dSᵀ·Q (accumulators carried over the chunks) and the chunk's dQ
 share dS·K_half = (dSᵀ)ᵀ·K_half, stored per entry and key half (pallas.py adds a query's shares).
 
-A block's list can span several segments, taken by different programs, and Mosaic GPU has no
-convenient atomics: each item stores its dK, dV sums [64, Dh] fp32 at its own rows of a
-per-segment buffer (`segment_bound` segments) and XLA adds them into the keys' rows
-(`add_partials`; a key's contributions from blocks of other documents are exact zeros, P = 0).
+A block's list can span several segments, taken by different programs: each item adds its dK,
+dV sums [64, Dh] fp32 into its keys' rows of the layer's running sums by a TMA reduction
+(`add_sum`), the sums an operand written in place, laid out as the keys' `pad_keys` rows
+(`running_sums`), so an item's rows are its K/V window's and every one is in bounds (a key's
+contributions from blocks of other documents are exact zeros, P = 0). Before, each item stored
+its sums in a per-segment buffer and XLA scatter-added them into the keys' rows.
 
 With the indexer's student a second kernel (mosaic_student.py) walks the same items for d(index_q)
 and d(index_k), its own kernel so that the main one's registers stay with dK and dV. It starts
@@ -61,10 +63,11 @@ from pallas_kernels.msa.mosaic_chunks import (
     chunk_rows,
     entry_rows,
     normalised,
+    add_sum,
     open_item,
     release_chunk,
     store_chunk,
-    store_sum,
+    sum_rows,
     tiles,
     wgmmas,
     zeros,
@@ -119,35 +122,40 @@ def most_documents(seq: int, block_size: int) -> int:
 
 
 def segment_bound(geo: chunks.Geometry, tiling: Tiling) -> int:
-    """Segments the per-segment sums make room for: the segments that continue a block's list
+    """Segments the kernels' tables make room for: the segments that continue a block's list
     (each after segment_chunks whole chunks of it, so at most E / (segment_chunks·chunk_queries))
     and the blocks' first segments, here at most 2·ceil(S / block) + 2 blocks per (row, kv head),
     i.e. rows of up to `most_documents` documents, and never more than E. pallas.py runs a
-    window of more segments through the Triton backward (`add_partials` would add NaN)."""
+    window of more segments through the Triton backward (`window_gradients` would give NaN)."""
     continuing = geo.entries // (tiling.segment_chunks * geo.chunk_queries)
     row_blocks = -(-geo.seq // geo.block_size) + most_documents(geo.seq, geo.block_size)
     return min(geo.entries, continuing + geo.batch * geo.num_kv_heads * row_blocks)
 
 
-def add_partials(geo: chunks.Geometry, table, num_segments, partials, bound: int,
-                 total: jax.Array) -> jax.Array:
-    """Per-item sums [bound·KEY_PARTS·64, D] added into their keys' rows of `total` [B, S,
-    heads, D] fp32 (heads: K for dK and dV, 1 for d(index_k), which its one key head gets from
-    every kv head), in place (a scatter into a zero buffer and an add read and wrote the running
-    sums once more a window: 8.2 ms for dK and dV at 128K on an H100). NaN in the rows the
-    window's segments reach when it had more segments than `bound`."""
-    heads, width = total.shape[2:]
-    segment = jnp.arange(bound)
-    first_key = table[:bound, 2] * TILE_ROWS + table[:bound, 3]  # padded row of the window
-    slot = first_key[:, None] + jnp.arange(KEY_PARTS * PART_KEYS)[None, :] - geo.block_size
-    inside = (segment < num_segments[0])[:, None] & (slot >= 0) & (slot < geo.total_slots)
-    target = slot * heads + (table[:bound, 6:7] if heads > 1 else 0)
-    target = jnp.where(inside, target, total.size // width)  # dropped
-    poison = jnp.where(num_segments[0] > bound, jnp.nan, 0.0)
-    flat = total.reshape(-1, width).at[target.reshape(-1)].add(
-        partials.reshape(-1, width) + poison, mode="drop"
-    )
-    return flat.reshape(total.shape)
+def running_sums(geo: chunks.Geometry, with_student: bool) -> tuple:
+    """Zero running sums that `window_gradients` adds each window's key gradients into, in
+    `mosaic_forward.pad_keys`' rows [N, ·] fp32: dK and dV [N, K·Dh], with a student also
+    d(index_k) [N, Di] (its one key head takes every kv head's)."""
+    keys = jax.ShapeDtypeStruct((geo.batch, geo.seq, 1), jnp.float32)
+    pad = functools.partial(mosaic_forward.pad_keys, block_size=geo.block_size)
+    rows = jax.eval_shape(pad, keys).shape[0]
+    widths = [geo.num_kv_heads * geo.head_dim] * 2 + [geo.index_dim] * with_student
+    return tuple(jnp.zeros((rows, width), jnp.float32) for width in widths)
+
+
+def key_gradients(geo: chunks.Geometry, sums: tuple) -> tuple:
+    """`running_sums` -> dK, dV [B, S, K, Dh] (and d(index_k) [B, S, Di]) fp32: the keys' rows."""
+    rows = slice(geo.block_size, geo.block_size + geo.total_slots)
+    shapes = [(geo.num_kv_heads, geo.head_dim)] * 2 + [(geo.index_dim,)]
+    return tuple(total[rows].reshape(geo.batch, geo.seq, *shape)
+                 for total, shape in zip(sums, shapes))  # fmt: skip
+
+
+def with_key_gradients(geo: chunks.Geometry, sums: tuple, gradients: tuple) -> tuple:
+    """`running_sums` with key gradients [B, S, ...] fp32 (as `key_gradients` gives) added."""
+    rows = slice(geo.block_size, geo.block_size + geo.total_slots)
+    return tuple(total.at[rows].add(g.reshape(geo.total_slots, -1))
+                 for total, g in zip(sums, gradients))  # fmt: skip
 
 
 def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,
@@ -156,19 +164,20 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     """One window's gradients: (dq shares [parts, E, G, Dh] in q's dtype at sorted positions
     (parts: KEY_PARTS, or 1 with paired warpgroups), `sums` with the window's added, with a
     student d(index_q)'s (shares at slot rows, the slot row of each sorted entry) as
-    `mosaic_student.gradients` gives them, else None).
+    `mosaic_student.gradients` gives them, else None). A window of more segments than
+    `segment_bound` gets NaN in dQ and in the key rows its segments reach.
 
     window: q, d_out [B, W, H, Dh], lse, delta [B, W, K, G], segment_ids [B, S], offset; with a
     student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K] and the KL pass' teacher, or None:
     then the gradients kernel takes the teacher from its Pᵀ (`teacher_rows`). keys:
     `shifted_keys` of k, v, segment ids; index_keys: `shifted_keys` of index_k in q's dtype (with
-    a student) or None. sums: the running dK and dV [B, S, K, Dh] fp32, with a student also
-    d(index_k) [B, S, 1, Di] fp32.
+    a student) or None. sums: `running_sums` (with d(index_k)'s when there is a student).
     """
     w = window
     chunk_walk = mosaic_forward.walk(geo, lists, w["q"], w["segment_ids"], w["offset"])
     bound = segment_bound(geo, tiling)
     values = mosaic_forward.row_values(geo, lists, [w["lse"], w["delta"]])
+    values = jnp.where(lists.num_segments[0] > bound, jnp.nan, values)
     operands = dict(**chunk_walk.operands(), k=keys[0], kseg=keys[2], values=values)
     operands["count"] = jnp.minimum(operands["count"], bound)
     per_entry, paired = entry_rows(geo.group), tiling.warpgroups == KEY_PARTS
@@ -176,38 +185,37 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     # column halves (each warpgroup's)
     rows = KEY_PARTS * geo.entries * per_entry
     shares = (rows, geo.head_dim // (KEY_PARTS if paired else 1))
-    per_item = jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, geo.head_dim), jnp.float32)
-    outputs = dict(dq=jax.ShapeDtypeStruct(shares, w["q"].dtype), dk=per_item, dv=per_item)
+    outputs = dict(dq=jax.ShapeDtypeStruct(shares, w["q"].dtype))
     if index_keys is not None and w["teacher"] is None:  # rows past E never stored
         teacher = (geo.entries + TEACHER_TAIL, geo.block_size)
         outputs["teacher"] = jax.ShapeDtypeStruct(teacher, jnp.float32)
-    gradients = dict(operands, do=mosaic_forward.sorted_rows(geo, lists, w["d_out"]), v=keys[1])
+    totals = [jax.new_ref(total) for total in sums]  # the kernels add into them in place
+    gradients = dict(operands, do=mosaic_forward.sorted_rows(geo, lists, w["d_out"]), v=keys[1],
+                     dk=totals[0], dv=totals[1])  # fmt: skip
     results = _launch(geo, tiling, gradients, outputs, interpret)
-    added = functools.partial(add_partials, geo, chunk_walk.table, lists.num_segments,
-                              bound=bound)  # fmt: skip
     dq = results["dq"].reshape(KEY_PARTS, geo.entries, per_entry, -1)[:, :, : geo.group]
     if paired:
         dq = jnp.concatenate(list(dq), axis=-1)[None]
-    new = [added(results[name], total=total) for name, total in zip(("dk", "dv"), sums)]
-    if index_keys is None:
-        return dq, tuple(new), None
-    if "teacher" in results:
-        w = dict(w, teacher=results["teacher"])
-    *diq, dik = mosaic_student.gradients(geo, tiling, lists, operands, w, index_keys, bound,
-                                         interpret=interpret)  # fmt: skip
-    return dq, (*new, added(dik, total=sums[2])), tuple(diq)
+    diq = None
+    if index_keys is not None:
+        if "teacher" in results:
+            w = dict(w, teacher=results["teacher"])
+        diq = mosaic_student.gradients(geo, tiling, lists, dict(operands, dik=totals[2]), w,
+                                       index_keys, bound, interpret=interpret)  # fmt: skip
+    return dq, tuple(jax.freeze(total) for total in totals), diq
 
 
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
     """The gradients kernel: one persistent kernel over the (segment, key half) items -> dq
-    shares (stored per chunk), dk and dv sums (per item) by name.
+    shares (stored per chunk) by name; each item's dK, dV sums added into the running sums
+    (operands dk, dv: `running_sums`, written in place).
 
     With `tiling.warpgroups = 2` (paired) an item is a whole segment, one warpgroup a key half:
     one ring of Q and dO chunks for both (half the loads), and one dQ share per entry, dS·K over
     the block's 128 keys, each warpgroup computing and storing half its columns from both
     halves' dSᵀ (half the shares' bytes, no sum over key halves in XLA). The warpgroups meet
     twice a chunk: once both dSᵀ are in shared memory, once both have read them and the ring
-    slot (warpgroup 0 then refills it). Each stores its dK, dV sums in column halves."""
+    slot (warpgroup 0 then refills it). Each adds its dK, dV sums in column halves."""
     stages, dtype, paired = tiling.stages, operands["q"].dtype, tiling.warpgroups == KEY_PARTS
     queries, per_entry, means = geo.chunk_queries, entry_rows(geo.group), "teacher" in outputs
     block_operands, columns = ["k", "v", "kseg"], geo.head_dim // tiling.warpgroups
@@ -251,12 +259,12 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
                 accumulators = tuple(zeros((PART_KEYS, geo.head_dim)) for _ in range(2))
                 accumulators = jax.lax.fori_loop(0, item.num_chunks, chunk_body, accumulators)
-                keys = pl.ds((index * KEY_PARTS + part) * PART_KEYS, PART_KEYS)
+                keys, head = sum_rows(item.row, part), item.row[6]
                 for name, value in zip(("dk", "dv"), accumulators):
                     for first in range(0, geo.head_dim, columns):
                         part_of = value if not paired else value[:, first : first + columns]
-                        target = keys if not paired else (keys, pl.ds(first, columns))
-                        store_sum(own, ref, name, part_of, target)
+                        target = (keys, pl.ds(head * geo.head_dim + first, columns))
+                        add_sum(own, ref, name, part_of, target, interpret)
 
             grid = (jax.lax.axis_index("sm"), mosaic_forward.num_programs(tiling))
             chunks.for_each_segment((None,) * 4 + (ref["count"],), item_body,
@@ -374,7 +382,7 @@ def _scratch(geo, tiling, dtype, key_copies: int, means: bool) -> dict:
         do=smem(stages, rows, geo.head_dim), p=smem(keys, rows), ds=smem(keys, rows),
         data=plgpu.SMEM((stages, 2, rows), jnp.int32),
         values=plgpu.SMEM((stages, 2, rows), jnp.float32), dq_out=smem(groups * rows, columns),
-        sum_out=tiles(jnp.float32, keys, columns), **key_bars,
+        sum_out=plgpu.SMEM((keys, columns), jnp.float32), **key_bars,
         q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 2, 0), num_barriers=stages),
         data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages), **extra,
     )  # fmt: skip

@@ -224,9 +224,11 @@ ROW_LAYOUT, COLUMN_LAYOUT = WGMMA.reduce(1), WGMMA.reduce(0)
 
 
 class Item(NamedTuple):
-    """An item opened by `open_item`: its segment's first sorted entry, entries and chunks, the
-    chunk ring's fetch, and the key half's slots and segment ids (one per tile row)."""
+    """An item opened by `open_item`: its segment's `segment_row`, first sorted entry, entries
+    and chunks, the chunk ring's fetch, and the key half's slots and segment ids (one per tile
+    row)."""
 
+    row: tuple
     first: jax.Array
     count: jax.Array
     num_chunks: jax.Array
@@ -280,7 +282,7 @@ def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices,
     for chunk in range(tiling.stages):
         pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
     slots, key_segments = key_data(smem, row, part, len(block_operands))
-    return Item(first, count, num_chunks, fetch, slots, key_segments)
+    return Item(row, first, count, num_chunks, fetch, slots, key_segments)
 
 
 def chunk_rows(geo, tiling, smem, item: Item, chunk):
@@ -308,13 +310,24 @@ def release_chunk(tiling, item: Item, chunk) -> None:
     pl.when(chunk + tiling.stages < item.num_chunks)(lambda: item.fetch(chunk + tiling.stages))
 
 
-def store_sum(smem, ref, name: str, value, target) -> None:
-    """TMA-store an fp32 sum held in registers at GMEM rows `target` of output `name`, staged
-    in `sum_out` once the staging's last store has read it."""
+def add_sum(smem, ref, name: str, value, target, interpret: bool) -> None:
+    """Add an fp32 sum held in registers into `target` of the running sums `name` (an operand
+    the kernel writes in place), staged in `sum_out` once the staging's last store has read it
+    (unswizzled: the rows start at any row, where a swizzled staging's copy takes whole tiles).
+    A TMA reduction: programs that add into the same rows (a block's segments) each add whole.
+    Mosaic GPU's interpreter has no TMA reductions; it runs programs one after another, so there
+    the staging takes the rows' sum and stores it."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    smem["sum_out"][...] = value
+    smem["sum_out"][...] = value + ref[name][target] if interpret else value
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem["sum_out"], ref[name].at[target])
+    plgpu.copy_smem_to_gmem(smem["sum_out"], ref[name].at[target],
+                            reduction_op=None if interpret else "add")  # fmt: skip
+
+
+def sum_rows(row, part: int):
+    """Rows of item (segment `row`, key half `part`)'s keys in running sums laid out as
+    `mosaic_forward.pad_keys` lays out the keys: the K/V window's padded row, plus the half."""
+    return pl.ds(row[2] * TILE_ROWS + row[3] + part * PART_KEYS, PART_KEYS)
 
 
 def zeros(shape):

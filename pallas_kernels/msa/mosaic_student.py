@@ -48,6 +48,7 @@ from pallas_kernels.msa.mosaic_chunks import (
     ROW_LAYOUT,
     TEACHER_TAIL,
     WGMMA,
+    add_sum,
     block_lse,
     broadcast,
     copy_keys,
@@ -55,7 +56,7 @@ from pallas_kernels.msa.mosaic_chunks import (
     kl_rows,
     matmul,
     normalised,
-    store_sum,
+    sum_rows,
     tiles,
     visible,
     wgmmas,
@@ -134,30 +135,28 @@ def gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockList
               interpret: bool = False):  # fmt: skip
     """A window's student gradients: (d(index_q) shares [KEY_PARTS, N·SLOT_ENTRIES, Di] fp32 at
     slot rows, the slot row of each sorted entry [E] (`Slots.row_of_entry`: past the rows for
-    invalid ones), d(index_k) per-item sums [bound·KEY_PARTS·64, Di] fp32 for
-    `mosaic_backward.add_partials`).
+    invalid ones)); each item's d(index_k) sum added into the running sum `operands["dik"]`
+    (a ref: `mosaic_backward.running_sums`' third, written in place).
 
     tiling: the gradients kernel's (its programs); operands: its walk operands (the segment
-    table, count and kseg are read); window: as `mosaic_backward.window_gradients`', with the
-    KL pass' `teacher`; index_keys: `shifted_keys` of index_k in q's dtype.
+    table, count and kseg are read) and dik; window: as `mosaic_backward.window_gradients`',
+    with the KL pass' `teacher`; index_keys: `shifted_keys` of index_k in q's dtype.
     """
     slots = slot_layout(operands["table"], lists.num_segments, geo.entries, bound)
     index_q, data, values = slot_operands(geo, lists, slots, window)
     index_dim, count = index_q.shape[1], num_slots(geo.entries, bound)
     operands = dict(table=operands["table"], count=operands["count"], kseg=operands["kseg"],
                     ik=index_keys, base=slots.base, iq=index_q, slot_data=data,
-                    slot_values=values, teacher=window["teacher"])  # fmt: skip
+                    slot_values=values, teacher=window["teacher"],
+                    dik=operands["dik"])  # fmt: skip
     rows = KEY_PARTS * count * SLOT_ENTRIES
-    outputs = dict(
-        diq=jax.ShapeDtypeStruct((rows, index_dim), jnp.float32),
-        dik=jax.ShapeDtypeStruct((bound * KEY_PARTS * PART_KEYS, index_dim), jnp.float32),
-    )
+    outputs = dict(diq=jax.ShapeDtypeStruct((rows, index_dim), jnp.float32))
     results = _launch(geo, tiling, operands, outputs, interpret)
     # the caller sums the entries' rows of both key halves per query in one pass
     # (`block_lists.selection_sums`), where summing the halves first reads and writes every slot
     # row (2.1x E at bench-h200's bound)
     diq = results["diq"].reshape(KEY_PARTS, -1, index_dim)
-    return diq, slots.row_of_entry, results["dik"]
+    return diq, slots.row_of_entry
 
 
 TERMS = ("lse_z", "cross", "mass")  # the forward's per-entry terms of the KL (`kl_terms`)
@@ -193,8 +192,8 @@ def kl_terms(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists
 
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
     """The student's persistent kernel over the (segment, key half) items (module docstring):
-    its gradients (outputs diq, dik), or with outputs `TERMS` the forward's per slot row and key
-    half (`kl_terms`)."""
+    its gradients (output diq; d(index_k) added into operand dik), or with outputs `TERMS` the
+    forward's per slot row and key half (`kl_terms`)."""
     dtype = operands["iq"].dtype
     index_dim = operands["iq"].shape[1]
     index_scale = index_dim**-0.5
@@ -265,8 +264,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
             dik = jax.lax.fori_loop(0, slot_count, slot_body, zeros((PART_KEYS, index_dim)))
             if not terms:
-                store_sum(smem, ref, "dik", dik, pl.ds((index * KEY_PARTS + part) * PART_KEYS,
-                                                      PART_KEYS))  # fmt: skip
+                add_sum(smem, ref, "dik", dik, sum_rows(row, part), interpret)
 
         program = jax.lax.axis_index("sm")
         chunks.for_each_segment((None,) * 4 + (ref["count"],), item_body, KEY_PARTS,
@@ -320,4 +318,4 @@ def _scratch(dtype, index_dim: int, key_copies: int, terms: bool, values: int) -
                                 for name in TERMS})  # fmt: skip
     return dict(scratch, dz=smem(slot, PART_KEYS),
                 diq_out=tiles(jnp.float32, slot, index_dim),
-                sum_out=tiles(jnp.float32, PART_KEYS, index_dim))  # fmt: skip
+                sum_out=plgpu.SMEM((PART_KEYS, index_dim), jnp.float32))  # fmt: skip

@@ -608,13 +608,11 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         backward's layout."""
         start = tuple(backward_kernel.accumulators(fallback_geo, with_student) for _ in range(2))
         (added, stored), grads = triton_window(fallback_geo, k, v, index_k, segments, start, window)
-        dk, dv, dik = key_sums(added, stored, k, v, index_k)
-        new = (dk, dv) + ((dik[:, :, None],) if with_student else ())
-        return tuple(total + x for total, x in zip(sums, new)), grads
+        new = key_sums(added, stored, k, v, index_k)[: len(sums)]
+        return mosaic_backward.with_key_gradients(backward_geo, sums, new), grads
 
     def mosaic_backward_window(keys, index_keys, segment_ids, lists, sums, window):
-        """The Mosaic backward of a window; sums: dk, dv [B, S, K, Dh] (and d(index_k)
-        [B, S, 1, Di]) fp32."""
+        """The Mosaic backward of a window; sums: `mosaic_backward.running_sums`."""
         geo, tiling = backward_geo, config.mosaic_backward
         q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z, teacher = window
         valid = blocks >= 0
@@ -647,9 +645,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
             keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))
             index_keys = shifted(index_k.astype(q.dtype)) if with_student else None
-            start = [jnp.zeros(k.shape, jnp.float32)] * 2
-            if with_student:
-                start.append(jnp.zeros((*index_k.shape[:2], 1, index_k.shape[2]), jnp.float32))
+            start = mosaic_backward.running_sums(backward_geo, with_student)
             tiling = config.mosaic_backward
             bound = mosaic_backward.segment_bound(backward_geo, tiling)
 
@@ -681,8 +677,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         stacked = (jnp.arange(windows.count), lse, lse_z, teacher)
         (sums, (dq, diq)), _ = jax.lax.scan(step, (tuple(start), joined), stacked)
         if mosaic_backward_kernel:
-            dk, dv = sums[:2]
-            dik = sums[2][:, :, 0] if with_student else None
+            dk, dv, *dik = mosaic_backward.key_gradients(backward_geo, sums)
+            dik = dik[0] if with_student else None
         else:
             dk, dv, dik = key_sums(*sums, k, v, index_k)
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)

@@ -6,7 +6,7 @@ CUDA, which needs no GPU.
 Inputs as test_msa_mosaic_forward.py's: S = 300 (not a multiple of the block), batch 2, row 0
 packs a document that starts mid-block, early queries have fewer than k valid blocks (-1).
 Segments of two chunks, so long block lists go on in later segments (their dK, dV sums meet in
-XLA) and many chunks are a list's partial last one.
+the running sums, by the kernels' adds) and many chunks are a list's partial last one.
 """
 
 import dataclasses
@@ -253,28 +253,26 @@ def test_auto_takes_the_mosaic_backward_where_the_mosaic_forward_runs_and_it_fit
     assert pallas.unsupported_reason(q8, k8, q8, block_size=BLOCK, config=pinned) == ""
 
 
-def test_partials_add_into_their_keys_and_poison_a_window_with_more_segments_than_room():
-    """Per-item sums land in their keys' rows of the running sums (added to what they held, the
-    key window's front padding dropped); more segments than `segment_bound` made room for: NaN
-    in the rows they reach, not silently dropped sums."""
-    geo = pallas.chunks.Geometry(batch=1, seq=256, window=256, num_heads=8, num_kv_heads=1,
-                                 head_dim=64, index_dim=64, topk=2, block_size=BLOCK,
+def test_running_sums_hold_each_keys_gradients_at_its_padded_key_row():
+    """The running sums the kernels add into are laid out as the keys' `pad_keys` rows (the
+    kernels' K/V windows address them directly): key gradients added to them come back at their
+    keys, the padding rows left out."""
+    geo = pallas.chunks.Geometry(batch=2, seq=300, window=300, num_heads=8, num_kv_heads=2,
+                                 head_dim=64, index_dim=32, topk=2, block_size=BLOCK,
                                  chunk_queries=8)  # fmt: skip
-    bound = mosaic_backward.segment_bound(geo, mosaic_forward.Tiling())
-    table = np.zeros((geo.entries, mosaic_forward.TABLE_COLUMNS), np.int32)
-    # segments alternate between the row's first key and half a block before it
-    first = np.where(np.arange(geo.entries) % 2, BLOCK, BLOCK // 2)
-    table[:, 2], table[:, 3] = np.divmod(first, mosaic_forward.TILE_ROWS)
-    items = bound * mosaic_backward.KEY_PARTS * mosaic_backward.PART_KEYS
-    partials = jnp.ones((items, 64))
-    total = jnp.full((1, geo.seq, 1, 64), 0.5)
-    sums = [mosaic_backward.add_partials(geo, jnp.asarray(table), jnp.array([n]), partials,
-                                         bound, total=total)[0, :, 0, 0]
-            for n in (bound, bound + 1)]  # fmt: skip
-    keys = np.arange(geo.seq)
-    reached = (keys < BLOCK) * (bound // 2) + (keys < BLOCK // 2) * (bound - bound // 2)
-    np.testing.assert_array_equal(sums[0], 0.5 + reached)
-    assert np.isnan(sums[1][:BLOCK]).all() and (sums[1][BLOCK:] == 0.5).all()
+    sums = mosaic_backward.running_sums(geo, with_student=True)
+    rows = mosaic_forward.pad_keys(jnp.zeros((2, 300, 1)), BLOCK).shape[0]
+    assert [x.shape for x in sums] == [(rows, 128), (rows, 128), (rows, 32)]
+    keys = jax.random.split(jax.random.key(3), 3)
+    grads = [jax.random.normal(keys[0], (2, 300, 2, 64)), jax.random.normal(keys[1], (2, 300, 2, 64)),
+             jax.random.normal(keys[2], (2, 300, 32))]  # fmt: skip
+    twice = mosaic_backward.with_key_gradients(geo, sums, grads)
+    twice = mosaic_backward.with_key_gradients(geo, twice, grads)
+    for got, grad in zip(mosaic_backward.key_gradients(geo, twice), grads, strict=True):
+        np.testing.assert_allclose(got, 2 * grad, rtol=1e-6)
+    # key s of the flattened rows sits at padded row BLOCK + s, where a K/V window reads it
+    padded = mosaic_forward.pad_keys(grads[2], BLOCK)
+    np.testing.assert_allclose(twice[2], 2 * padded, rtol=1e-6)
 
 
 @pytest.mark.parametrize("with_student", [False, True])
@@ -303,6 +301,9 @@ def test_a_window_of_more_segments_than_room_takes_the_triton_backward(with_stud
     assert len(got) == (5 if with_student else 3)
     assert all(np.isfinite(as_f32(g)).all() for g in got)
     assert_gradients_equal(got, reference_gradients(*args, index))
+    if not with_student:  # promised few documents, the window's dQ and key gradients are NaN
+        unchecked = gradients(dataclasses.replace(config, few_documents=True), *args, index)
+        assert all(np.isnan(as_f32(g)).any() for g in unchecked)
 
 
 def test_slot_layout_gives_each_segment_whole_slots_and_maps_entries_both_ways():
