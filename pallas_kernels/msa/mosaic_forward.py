@@ -429,8 +429,9 @@ def kl_pass(
     fp32 (the group's mean probability under the global LSEs: the student's gradients start
     from it, mosaic_student.py; else None; the tail rows are never written), over the same
     segments and chunks as `forward`, given the global LSEs per row `lses` (`row_values` of lse
-    and lse_z); the other operands as `forward`'s. Without a `student` the pass computes the teacher alone (KL None), for the
-    student's kernel to take the KL one row per entry (`mosaic_student.kl_terms`)."""
+    and lse_z); the other operands as `forward`'s. Without a `student` the pass computes the
+    teacher alone (KL None), for the student's kernel to take the KL one row per entry
+    (`mosaic_student.kl_terms`)."""
     operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, lses=lses,
                     average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
     outputs = {}

@@ -264,8 +264,8 @@ def test_running_sums_hold_each_keys_gradients_at_its_padded_key_row():
     rows = mosaic_forward.pad_keys(jnp.zeros((2, 300, 1)), BLOCK).shape[0]
     assert [x.shape for x in sums] == [(rows, 128), (rows, 128), (rows, 32)]
     keys = jax.random.split(jax.random.key(3), 3)
-    grads = [jax.random.normal(keys[0], (2, 300, 2, 64)), jax.random.normal(keys[1], (2, 300, 2, 64)),
-             jax.random.normal(keys[2], (2, 300, 32))]  # fmt: skip
+    shapes = [(2, 300, 2, 64), (2, 300, 2, 64), (2, 300, 32)]
+    grads = [jax.random.normal(key, shape) for key, shape in zip(keys, shapes)]
     twice = mosaic_backward.with_key_gradients(geo, sums, grads)
     twice = mosaic_backward.with_key_gradients(geo, twice, grads)
     for got, grad in zip(mosaic_backward.key_gradients(geo, twice), grads, strict=True):
