@@ -7,7 +7,6 @@ decoded query keeps fewer blocks than it can see (asserted), and init_std is lar
 logits are O(1), which makes the tolerances meaningful.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -325,7 +325,7 @@ def test_tpu_kernels_in_the_tpu_interpreter():
 def test_tpu_table_lists_exactly_the_selected_blocks_of_aligned_documents():
     """One document per row from slot 0: a tile visits the union of its queries' selections and
     nothing else (so only those K/V blocks are DMA'd); after the count the last block repeats."""
-    q, k, v, index_q, index_k, segments, positions = x = inputs(seq=80, batch=1)
+    q, k, v, index_q, index_k, segments, positions = inputs(seq=80, batch=1)
     segments, positions = jnp.ones_like(segments), jnp.arange(80)[None]
     blocks = select((q, k, v, index_q, index_k, segments, positions), 16, 2, 1)
     geo = tpu._geometry(q, k, 16, 2, 16, tpu.Config(rows=16))  # 4 queries a tile, 20 tiles
