@@ -142,18 +142,21 @@ def running_sums(geo: chunks.Geometry, with_student: bool) -> tuple:
     return tuple(jnp.zeros((rows, width), jnp.float32) for width in widths)
 
 
+def _key_rows(geo: chunks.Geometry) -> slice:
+    """The keys' rows of `running_sums` (past `pad_keys`' front block)."""
+    return slice(geo.block_size, geo.block_size + geo.total_slots)
+
+
 def key_gradients(geo: chunks.Geometry, sums: tuple) -> tuple:
     """`running_sums` -> dK, dV [B, S, K, Dh] (and d(index_k) [B, S, Di]) fp32: the keys' rows."""
-    rows = slice(geo.block_size, geo.block_size + geo.total_slots)
     shapes = [(geo.num_kv_heads, geo.head_dim)] * 2 + [(geo.index_dim,)]
-    return tuple(total[rows].reshape(geo.batch, geo.seq, *shape)
+    return tuple(total[_key_rows(geo)].reshape(geo.batch, geo.seq, *shape)
                  for total, shape in zip(sums, shapes))  # fmt: skip
 
 
 def with_key_gradients(geo: chunks.Geometry, sums: tuple, gradients: tuple) -> tuple:
     """`running_sums` with key gradients [B, S, ...] fp32 (as `key_gradients` gives) added."""
-    rows = slice(geo.block_size, geo.block_size + geo.total_slots)
-    return tuple(total.at[rows].add(g.reshape(geo.total_slots, -1))
+    return tuple(total.at[_key_rows(geo)].add(g.reshape(geo.total_slots, -1))
                  for total, g in zip(sums, gradients))  # fmt: skip
 
 

@@ -224,17 +224,22 @@ ROW_LAYOUT, COLUMN_LAYOUT = WGMMA.reduce(1), WGMMA.reduce(0)
 
 
 class Item(NamedTuple):
-    """An item opened by `open_item`: its segment's `segment_row`, first sorted entry, entries
-    and chunks, the chunk ring's fetch, and the key half's slots and segment ids (one per tile
-    row)."""
+    """An item opened by `open_item`: its segment's `segment_row` and chunks, the chunk ring's
+    fetch, and the key half's slots and segment ids (one per tile row)."""
 
     row: tuple
-    first: jax.Array
-    count: jax.Array
     num_chunks: jax.Array
     fetch: Callable
     key_slots: jax.Array
     key_segments: jax.Array
+
+    @property
+    def first(self) -> jax.Array:  # the segment's first sorted entry
+        return self.row[0]
+
+    @property
+    def count(self) -> jax.Array:  # the segment's entries
+        return self.row[1]
 
 
 def copy_keys(ref, smem, index, part, block_operands) -> tuple:
@@ -282,7 +287,7 @@ def open_item(geo, tiling, ref, smem, index, part, block_operands, matrices,
     for chunk in range(tiling.stages):
         pl.when(chunk < num_chunks)(lambda chunk=chunk: fetch(chunk))
     slots, key_segments = key_data(smem, row, part, len(block_operands))
-    return Item(row, first, count, num_chunks, fetch, slots, key_segments)
+    return Item(row, num_chunks, fetch, slots, key_segments)
 
 
 def chunk_rows(geo, tiling, smem, item: Item, chunk):
