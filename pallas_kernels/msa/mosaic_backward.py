@@ -207,10 +207,29 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     return dq, tuple(jax.freeze(total) for total in totals), diq
 
 
+def teacher_pass(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,
+                 chunk_walk: mosaic_forward.Walk, keys, lse: jax.Array, *,
+                 interpret: bool = False) -> jax.Array:  # fmt: skip
+    """The forward's teacher pass on the gradients kernel's items, with no dO: per chunk Sᵀ =
+    K_half·Qᵀ (one wgmma), Pᵀ under the global LSE and each entry's column mean (`teacher_rows`)
+    -> the teacher per sorted entry [E + TEACHER_TAIL, block] fp32, as `mosaic_forward.kl_pass`
+    leaves it (the tail rows never written). Where the KL pass averages P on wgmma (A·P in two
+    16-bit parts: as many FLOPs as S again) through shared memory, this sums each entry's
+    columns in registers.
+
+    chunk_walk: the window's `mosaic_forward.walk`; keys: `shifted_keys` of k, v, segment ids;
+    lse: [B, W, K, G] the forward's combined LSE."""
+    values = mosaic_forward.row_values(geo, lists, [lse])
+    operands = dict(**chunk_walk.operands(), k=keys[0], kseg=keys[2], values=values)
+    teacher = jax.ShapeDtypeStruct((geo.entries + TEACHER_TAIL, geo.block_size), jnp.float32)
+    return _launch(geo, tiling, operands, dict(teacher=teacher), interpret)["teacher"]
+
+
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):
     """The gradients kernel: one persistent kernel over the (segment, key half) items -> dq
     shares (stored per chunk) by name; each item's dK, dV sums added into the running sums
-    (operands dk, dv: `running_sums`, written in place).
+    (operands dk, dv: `running_sums`, written in place). Without operand do: the teacher pass
+    (`teacher_pass`), whose one output is the teacher.
 
     With `tiling.warpgroups = 2` (paired) an item is a whole segment, one warpgroup a key half:
     one ring of Q and dO chunks for both (half the loads), and one dQ share per entry, dS·K over
@@ -220,8 +239,10 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     slot (warpgroup 0 then refills it). Each adds its dK, dV sums in column halves."""
     stages, dtype, paired = tiling.stages, operands["q"].dtype, tiling.warpgroups == KEY_PARTS
     queries, per_entry, means = geo.chunk_queries, entry_rows(geo.group), "teacher" in outputs
-    block_operands, columns = ["k", "v", "kseg"], geo.head_dim // tiling.warpgroups
-    chunk_math = functools.partial(_gradients_chunk, geo, dtype,
+    gradients = "do" in operands  # else the teacher pass
+    block_operands = ["k", "v", "kseg"] if gradients else ["k", "kseg"]
+    matrices, columns = ["q", "do"] if gradients else ["q"], geo.head_dim // tiling.warpgroups
+    chunk_math = functools.partial(_gradients_chunk if gradients else _teacher_chunk, geo, dtype,
                                    functools.partial(wgmmas, interpret), means)  # fmt: skip
 
     def kernel(*refs, **smem):
@@ -240,7 +261,7 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
 
             def item_body(index, part):
                 part = part if half is None else half
-                item = open_item(geo, tiling, ref, own, index, part, block_operands, ["q", "do"],
+                item = open_item(geo, tiling, ref, own, index, part, block_operands, matrices,
                                  fetches=half in (None, 0))  # fmt: skip
 
                 def chunk_body(chunk, accumulators):
@@ -251,15 +272,16 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                         plgpu.commit_smem()
                         meet()  # both have read this chunk's ring slot and dSᵀ
                     release_chunk(tiling, item, chunk)
-                    start = (part * geo.entries + item.first + chunk * queries) * per_entry
                     valid = item.count - chunk * queries
-                    store_chunk(geo, own, ref, {"dq": dq}, start, valid)
-                    if means:
+                    if gradients:
+                        start = (part * geo.entries + item.first + chunk * queries) * per_entry
+                        store_chunk(geo, own, ref, {"dq": dq}, start, valid)
+                    if means:  # after the dQ store's wait, which covers the staging's stores
                         store_teacher(own, ref, teacher, item.first + chunk * queries, valid,
-                                      part)  # fmt: skip
+                                      part, waits=not gradients)  # fmt: skip
                     return accumulators
 
-                accumulators = tuple(zeros((PART_KEYS, geo.head_dim)) for _ in range(2))
+                accumulators = tuple(zeros((PART_KEYS, geo.head_dim)) for _ in range(2 * gradients))
                 accumulators = jax.lax.fori_loop(0, item.num_chunks, chunk_body, accumulators)
                 keys, head = sum_rows(item.row, part), item.row[6]
                 for name, value in zip(("dk", "dv"), accumulators):
@@ -279,11 +301,13 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         for half in range(KEY_PARTS):
             pl.when(wg == half)(functools.partial(program, half))
 
-    kernel.__name__ = "msa_mosaic_backward"  # profiles show the kernel by its function's name
+    # profiles show the kernel by its function's name
+    kernel.__name__ = "msa_mosaic_backward" if gradients else "msa_mosaic_teacher_pass"
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
-        scratch_types=_scratch(geo, tiling, dtype, len(block_operands), means),
+        scratch_types=_scratch(geo, tiling, dtype, len(block_operands), means, gradients,
+                               operands["values"].shape[0]),
         grid=(mosaic_forward.num_programs(tiling),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -323,24 +347,43 @@ def _gradients_chunk(geo, dtype, wgmmas, means, smem, own, half, meet, slot, see
     return (dk, dv), dq.astype(dtype), teacher
 
 
+def _teacher_chunk(geo, dtype, wgmmas, means, smem, own, half, meet, slot, seen, values,
+                   accumulators):  # fmt: skip
+    """The teacher pass' chunk (`_gradients_chunk`'s arguments): Sᵀ and Pᵀ of the warpgroup's
+    key half, its entries' teacher rows (`teacher_rows`); no accumulators, no dQ."""
+    del dtype, means, half, meet
+    q = smem["q"].at[slot]
+    (logits,) = wgmmas((zeros((PART_KEYS, q.shape[0])),), [(own["k"], q.transpose((1, 0)))])
+    probs = normalised(geo.head_dim**-0.5, logits, values[0], seen, axis=1)
+    return accumulators, None, teacher_rows(geo, probs)
+
+
 def teacher_rows(geo: chunks.Geometry, probs) -> list:
     """Pᵀ [keys, R] fp32 -> per entry of the chunk its teacher over the keys [keys] (a column
     mean of its G real head columns, ROW_LAYOUT): the KL pass' A·P, taken in fp32 registers
-    where the gradients kernel has P anyway, instead of a teacher pass for it."""
-    per_entry, rows = entry_rows(geo.group), probs.shape[1]
-    column = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=COLUMN_LAYOUT)
-    real = column % per_entry < geo.group
+    where the gradients kernel has P anyway, instead of a teacher pass for it. An entry's Ge
+    columns are a whole number of the WGMMA layout's 8-column tiles, so each sums its own slice
+    (a thread's few values and its quad's lanes), not a masked copy of the whole tile."""
+    per_entry = entry_rows(geo.group)
+    real = None
+    if per_entry > geo.group:  # zero-padded heads (G < 8) must not count
+        column = plgpu.broadcasted_iota(jnp.int32, (per_entry,), 0, layout=COLUMN_LAYOUT)
+        real = broadcast(jnp.where(column < geo.group, 1.0, 0.0), (probs.shape[0], per_entry), 1)
     means = []
-    for entry in range(rows // per_entry):
-        weight = jnp.where(real & (column // per_entry == entry), 1.0 / geo.group, 0.0)
-        means.append((probs * broadcast(weight, probs.shape, 1)).sum(axis=1))
+    for first in range(0, probs.shape[1], per_entry):
+        columns = probs[:, first : first + per_entry]
+        columns = columns if real is None else columns * real
+        means.append(columns.sum(axis=1) * (1.0 / geo.group))
     return means
 
 
-def store_teacher(own, ref, means: list, first, valid_queries, part: int) -> None:
+def store_teacher(own, ref, means: list, first, valid_queries, part: int, waits: bool) -> None:
     """TMA-store a chunk's teacher rows (`teacher_rows`) of its valid queries at GMEM rows
     `first` + query, the key half's columns, staged in `teacher_out` once its last store has
-    read it (`store_chunk`'s wait, earlier in the chunk, covers the previous chunk's)."""
+    read it: the kernel `waits` for that here, unless an earlier wait in the chunk covers it
+    (`store_chunk`'s in the gradients kernel)."""
+    if waits:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     staged = own["teacher_out"]
     for query, mean in enumerate(means):
         staged.at[query][...] = mean
@@ -365,11 +408,13 @@ def half_of(ref, part: int):
     return ref.at[pl.ds(part * rows, rows)]
 
 
-def _scratch(geo, tiling, dtype, key_copies: int, means: bool) -> dict:
+def _scratch(geo, tiling, dtype, key_copies: int, means: bool, gradients: bool,
+             num_values: int) -> dict:  # fmt: skip
     """Shared memory and barriers of `_launch` by name (`shared_bytes` counts the same): the key
     halves' K, V, key segment ids, Pᵀ, dSᵀ and the stagings of their dQ and sum columns (and,
     with `means`, of their teacher rows), one per warpgroup stacked along rows (`half_of`), each
-    with its key barriers; the rings shared."""
+    with its key barriers; the rings shared. The teacher pass (not `gradients`) has no V, dO,
+    Pᵀ, dSᵀ or their stagings."""
     rows, stages, groups = tiling.rows, tiling.stages, tiling.warpgroups
     smem, keys = functools.partial(tiles, dtype), groups * PART_KEYS
     columns = geo.head_dim // groups
@@ -378,13 +423,17 @@ def _scratch(geo, tiling, dtype, key_copies: int, means: bool) -> dict:
     extra = {"pair_bar": plgpu.Barrier(num_arrivals=groups)} if groups > 1 else {}
     if means:  # fp32 rows stored one by one: unswizzled
         extra["teacher_out"] = plgpu.SMEM((groups * geo.chunk_queries, PART_KEYS), jnp.float32)
+    if gradients:
+        extra.update(
+            v=smem(keys, geo.head_dim), do=smem(stages, rows, geo.head_dim), p=smem(keys, rows),
+            ds=smem(keys, rows), dq_out=smem(groups * rows, columns),
+            sum_out=plgpu.SMEM((keys, columns), jnp.float32),
+        )  # fmt: skip
     return dict(
-        k=smem(keys, geo.head_dim), v=smem(keys, geo.head_dim),
-        kseg=plgpu.SMEM((keys,), jnp.int32), q=smem(stages, rows, geo.head_dim),
-        do=smem(stages, rows, geo.head_dim), p=smem(keys, rows), ds=smem(keys, rows),
-        data=plgpu.SMEM((stages, 2, rows), jnp.int32),
-        values=plgpu.SMEM((stages, 2, rows), jnp.float32), dq_out=smem(groups * rows, columns),
-        sum_out=plgpu.SMEM((keys, columns), jnp.float32), **key_bars,
-        q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 2, 0), num_barriers=stages),
+        k=smem(keys, geo.head_dim), kseg=plgpu.SMEM((keys,), jnp.int32),
+        q=smem(stages, rows, geo.head_dim), data=plgpu.SMEM((stages, 2, rows), jnp.int32),
+        values=plgpu.SMEM((stages, num_values, rows), jnp.float32), **key_bars,
+        q_bars=plgpu.Barrier(num_arrivals=chunk_copies(geo, 1 + gradients, 0),
+                             num_barriers=stages),
         data_bars=plgpu.Barrier(num_arrivals=2, num_barriers=stages), **extra,
     )  # fmt: skip

@@ -27,10 +27,11 @@ and warps; P goes in two 16-bit parts for ~16-bit precision), z again, and per r
 teacher itself is stored too, one fp32 row per entry ([E + 64, block], from an unswizzled staging
 buffer a row at a time): the student's gradients start from it (mosaic_student.py) instead of
 computing P again. That is the Triton forward pass minus its P·V (the Triton path pays its two
-Q·Kᵀ as well). The index operands enter the wgmma in q's dtype. Without the student's operands
-the same kernel is the teacher pass: the teacher alone, for the backward when it was not kept,
-and for `Config.kl_kernel = "slots"`, where the student's kernel takes its LSE and the KL one
-row per entry (mosaic_student.py: `kl_terms`).
+Q·Kᵀ as well). The index operands enter the wgmma in q's dtype. With `Config.kl_kernel =
+"slots"` (the default) this pass runs only for windows of more segments than the student's
+slots hold: the teacher alone comes from `mosaic_backward.teacher_pass` (the gradients kernel's
+walk: Sᵀ, Pᵀ and column sums in registers, no averaging wgmma), and the student's kernel takes
+its LSE and the KL one row per entry (mosaic_student.py: `kl_terms`).
 
 Operands: per row of a chunk, the query's global slot and segment id (for the mask) in the sorted
 entry order of `block_lists.build` (`presort`). Q: with G a multiple of 8 the kernel TMA-copies each
@@ -52,8 +53,8 @@ math; output stores are asynchronous TMA and are waited on only before the stagi
 reused. A segment's own K and V copies are not overlapped with the previous segment's math (no
 warp specialisation yet). `Tiling.warpgroups = 2` runs the attention pass without a student on
 two warpgroups a program that take a segment's chunks in turn, each with its own ring and
-stagings, so that one's softmax can run beside the other's wgmmas; so does the teacher pass
-where two fit shared memory (at one ring stage), while the passes with a student keep one.
+stagings, so that one's softmax can run beside the other's wgmmas, while the passes with a
+student keep one.
 `pallas.Config`'s default is two warpgroups at one ring stage: on an H100 at M3's layout the
 layer's forward took 112.9 ms at S = 128K against 131.6 on one warpgroup at two stages, and 24.5
 against 29.2 ms at 32K (benchmarks/RESULTS.md, 2026-12-07).
@@ -132,9 +133,8 @@ class Tiling:
     # `shared_bytes` at Dh = 128, stages = 2: 130 KiB, so a second program does not fit an SM
     programs_per_core: int = 1
     # 2: the attention pass without a student runs two warpgroups a program, taking a segment's
-    # chunks in turn, and so does the teacher pass where they fit (`_warpgroups`: at one ring
-    # stage; the passes with a student run one); the backward's
-    # gradients kernel a block's two key halves, one warpgroup each, over one ring of Q and dO
+    # chunks in turn (the passes with a student run one); the backward's gradients kernel and
+    # the teacher pass a block's two key halves, one warpgroup each, over one ring of Q (and dO)
     # (mosaic_backward.py)
     warpgroups: int = 1
 
@@ -149,13 +149,12 @@ def shared_bytes(
 ) -> int:
     """Shared memory of one program (`_scratch`), the largest of the kernels: the attention
     pass without a student on the tiling's warpgroups; with a student (index_dim > 0) also that
-    pass with the student's operands and the KL pass, on one (the teacher pass takes two only
-    where they fit, `_warpgroups`)."""
+    pass with the student's operands and the KL pass, on one."""
     forward = attention_bytes(tiling, tiling.warpgroups, head_dim, block_size, 0, itemsize)
     if not index_dim:
         return forward
     return max(forward, attention_bytes(tiling, 1, head_dim, block_size, index_dim, itemsize),
-               kl_bytes(tiling, 1, head_dim, block_size, index_dim, itemsize))  # fmt: skip
+               kl_bytes(tiling, head_dim, block_size, index_dim, itemsize))  # fmt: skip
 
 
 def attention_bytes(tiling: Tiling, groups: int, head_dim: int, block_size: int,
@@ -169,16 +168,16 @@ def attention_bytes(tiling: Tiling, groups: int, head_dim: int, block_size: int,
     return tiles * itemsize + 4 * words
 
 
-def kl_bytes(tiling: Tiling, groups: int, head_dim: int, block_size: int, index_dim: int,
+def kl_bytes(tiling: Tiling, head_dim: int, block_size: int, index_dim: int,
              itemsize: int = 2) -> int:  # fmt: skip
-    """The KL pass' (the teacher pass' without a student): the block's K (index keys), key
-    segment ids and the averaging matrix, then per warpgroup its rings, P's two parts, row data
-    and LSEs, the KL staging (with a student) and the fp32 teacher staging."""
+    """The KL pass' (one warpgroup): the block's K, index keys, key segment ids and the
+    averaging matrix, its rings, P's two parts, row data and LSEs, the KL staging and the fp32
+    teacher staging."""
     rows, stages = tiling.rows, tiling.stages
     own_tiles = stages * rows * (head_dim + index_dim) + 2 * rows * block_size
-    tiles = (head_dim + index_dim) * block_size + rows * rows + groups * own_tiles
-    own_words = 4 * stages * rows + (index_dim > 0) * rows + rows * (block_size + ROW_PAD)
-    return tiles * itemsize + 4 * (block_size + groups * own_words)
+    tiles = (head_dim + index_dim) * block_size + rows * rows + own_tiles
+    own_words = 4 * stages * rows + rows + rows * (block_size + ROW_PAD)
+    return tiles * itemsize + 4 * (block_size + own_words)
 
 
 def unsupported_reason(
@@ -418,32 +417,29 @@ def kl_pass(
     chunk_walk: Walk,
     k: jax.Array,
     key_segments: jax.Array,
-    student: tuple[jax.Array, jax.Array] | None,
+    student: tuple[jax.Array, jax.Array],
     lses: jax.Array,
     *,
     with_teacher: bool = True,
     interpret: bool = False,
-) -> tuple[jax.Array | None, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None]:
     """Per sorted entry: the block's share of the indexer's KL [E·Ge] fp32 (alike on all rows of
     an entry) and, `with_teacher`, the teacher over the block's keys [E + TEACHER_TAIL, block]
     fp32 (the group's mean probability under the global LSEs: the student's gradients start
     from it, mosaic_student.py; else None; the tail rows are never written), over the same
     segments and chunks as `forward`, given the global LSEs per row `lses` (`row_values` of lse
-    and lse_z); the other operands as `forward`'s. Without a `student` the pass computes the
-    teacher alone (KL None), for the student's kernel to take the KL one row per entry
-    (`mosaic_student.kl_terms`)."""
+    and lse_z); the other operands as `forward`'s."""
     operands = dict(**chunk_walk.operands(), k=k, kseg=key_segments, lses=lses,
-                    average=averaging(geo, tiling, chunk_walk.q_rows.dtype))  # fmt: skip
-    outputs = {}
-    if student is not None:
-        operands.update(iq=student[0], ik=student[1])
-        outputs["kl"] = jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32)
-    if with_teacher or student is None:
+                    average=averaging(geo, tiling, chunk_walk.q_rows.dtype), iq=student[0],
+                    ik=student[1])  # fmt: skip
+    kl = jax.ShapeDtypeStruct((geo.entries * entry_rows(geo.group),), jnp.float32)
+    outputs = dict(kl=kl)
+    if with_teacher:
         # rows past E never stored (`TEACHER_TAIL`: the student's slot copies read them)
         rows = geo.entries + TEACHER_TAIL
         outputs["teacher"] = jax.ShapeDtypeStruct((rows, geo.block_size), jnp.float32)
     results = _launch(geo, tiling, operands, outputs, interpret)
-    return results.get("kl"), results.get("teacher")
+    return results["kl"], results.get("teacher")
 
 
 def averaging(geo: chunks.Geometry, tiling: Tiling, dtype) -> jax.Array:
@@ -460,13 +456,13 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
     """One persistent kernel over the segments -> its outputs by name. The forward has operand
     v (P·V; outputs o, lse); the KL pass has lses and average (output kl); index rows and keys
     (iq, ik) add the student's logits z = index_q·index_kᵀ (the forward's output lse_z). With
-    two warpgroups (a pass without a student, `_warpgroups`) they take a segment's chunks in
+    two warpgroups (the pass without a student) they take a segment's chunks in
     turn, each with its own ring and stagings, over the block's K and V that warpgroup 0 loads
     once both are done with the last segment's: one's softmax runs while the other's wgmmas do."""
     rows, size, dim, group = tiling.rows, geo.block_size, geo.head_dim, entry_rows(geo.group)
     queries, stages, dtype = geo.chunk_queries, tiling.stages, operands["q"].dtype
     student, kl, keeps_teacher = "iq" in operands, "lses" in operands, "teacher" in outputs
-    tiling = dataclasses.replace(tiling, warpgroups=_warpgroups(geo, tiling, student, kl))
+    tiling = dataclasses.replace(tiling, warpgroups=1 if student else tiling.warpgroups)
     groups = tiling.warpgroups
     index_scale = operands["iq"].shape[1] ** -0.5 if student else None
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -528,11 +524,8 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                     # before the TMA writes)
                     plgpu.commit_smem()
                     pl.when(turn + stages < turns)(lambda: fetch(turn + stages))
-                    teacher = None
                     if kl:
-                        kl_values, teacher = _kl_chunk(own, logits, seen, z, *per_row["lses"])
-                        if kl_values is not None:
-                            results["kl"] = kl_values
+                        results["kl"], teacher = _kl_chunk(own, logits, seen, z, *per_row["lses"])
                     else:
                         results.update(_attention_chunk(own, logits, seen))
                     if results:
@@ -579,14 +572,9 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         plgpu.commit_smem()
         average = own["average"]
         teacher = matmul((rows, size), (average, own["p"]), (average, own["p_low"]))
-        if z is None:  # the teacher alone
-            return None, teacher
         return kl_rows(teacher, z * index_scale - broadcast(lse_z, z.shape)), teacher
 
-    kernel.__name__ = (  # the name profiles show
-        "msa_mosaic_forward" if not kl else "msa_mosaic_kl_pass" if student
-        else "msa_mosaic_teacher_pass"
-    )  # fmt: skip
+    kernel.__name__ = "msa_mosaic_kl_pass" if kl else "msa_mosaic_forward"  # profiles show it
     run = plgpu.kernel(
         kernel,
         out_type=tuple(outputs.values()),
@@ -599,18 +587,6 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
         **(dict(num_threads=groups, thread_name="wg") if groups > 1 else {}),
     )
     return dict(zip(outputs, run(*operands.values())))
-
-
-def _warpgroups(geo: chunks.Geometry, tiling: Tiling, student: bool, kl: bool) -> int:
-    """A pass' warpgroups a program: the tiling's for the attention pass without a student, and
-    for the teacher pass where two rings and stagings fit shared memory (`kl_bytes`: at one
-    ring stage, not two); one for the passes with a student."""
-    if student:
-        return 1
-    if kl:
-        needed = kl_bytes(tiling, tiling.warpgroups, geo.head_dim, geo.block_size, 0)
-        return tiling.warpgroups if needed <= SHARED_BYTES else 1
-    return tiling.warpgroups
 
 
 OWN = "_wg"  # the suffix of a warpgroup's own buffers in `_scratch`: q_wg0, q_wg1, ...

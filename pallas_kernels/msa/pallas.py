@@ -449,16 +449,6 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         values = block_lists.by_selection(per_entry, lists, selection_shape)
         return jnp.where(valid.reshape(*selection_shape, *[1] * (values.ndim - 4)), values, fill)
 
-    def kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z, with_teacher):
-        """The Mosaic KL pass of a window -> (per-entry KL shares, teacher per sorted entry or
-        None); student: (`index_rows` of index_q, index keys), or None: the teacher pass (no
-        KL shares, the teacher)."""
-        if lse_z is None:  # the teacher pass of a forward without the student's LSE
-            lse_z = jnp.zeros(lse.shape[:-1], jnp.float32)
-        lses = mosaic_forward.row_values(geo, lists, [lse], [lse_z])
-        return mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2], student, lses,
-                                      with_teacher=with_teacher, **kernels)  # fmt: skip
-
     def mosaic_window(keys, index_keys, segment_ids, window):
         """The Mosaic forward of a window (`mosaic_attention`); with `kl_kernel="slots"` the
         KL on slots of entries where they hold the window's segments, else the KL pass."""
@@ -492,13 +482,16 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         out, lse, lse_z = mosaic_forward.combine(geo, lists, valid, o, lse_e, lse_z_e)
         kl = teacher = None
         if student is not None:
-            kl_e, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, student, lse, lse_z,
-                                    keeps_teacher)  # fmt: skip
+            lses = mosaic_forward.row_values(geo, lists, [lse], [lse_z])
+            kl_e, teacher = mosaic_forward.kl_pass(geo, tiling, chunk_walk, keys[0], keys[2],
+                                                   student, lses, with_teacher=keeps_teacher,
+                                                   **kernels)  # fmt: skip
             # each entry's KL share sits in its first row; a query's k shares add up
             first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
             kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
         elif with_student:
-            _, teacher = kl_pass(geo, tiling, lists, chunk_walk, keys, None, lse, None, True)
+            teacher = mosaic_backward.teacher_pass(geo, config.mosaic_backward, lists,
+                                                   chunk_walk, keys, lse, **kernels)  # fmt: skip
             entries = dict(index_q=index_q, q=chunk_walk.q_rows, teacher=teacher,
                            segment_ids=segment_ids, offset=offset)  # fmt: skip
             operands = dict(chunk_walk.operands(), kseg=keys[2])
