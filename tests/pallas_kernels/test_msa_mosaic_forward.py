@@ -93,9 +93,9 @@ def test_forward_matches_reference(group, kv_heads, stages, warpgroups):
 def test_forward_with_student_matches_reference(group, kv_heads, kl_kernel, warpgroups, stages):
     """With the student: out and the KL per (query, kv head) against the reference, on the packed
     row (the forward kernel's per-entry LSE_z combined, then on the global LSEs the KL pass; or
-    the attention pass without the student, the teacher pass and the student's kernel on slots
-    of entries; with two warpgroups at one ring stage, the attention and teacher passes on
-    both)."""
+    the attention pass without the student, the teacher pass (on the backward's items, a key
+    half per warpgroup) and the student's kernel on slots of entries; with two warpgroups at one
+    ring stage, the attention pass on both)."""
     q, k, v, blocks, segments, positions = args = inputs(group, kv_heads, batch=1)
     assert (np.asarray(blocks) == -1).any()
     index = student(kv_heads, q.shape[1], 1)
