@@ -28,6 +28,13 @@ fp32 registers, one row of the half's keys stored per entry), instead of a teach
 computes S and P again (42 ms of the layer's forward+backward at 128K on an H100,
 benchmarks/RESULTS.md, 2026-12-07).
 
+The forward's teacher pass (`teacher_pass`, `Config.kl_kernel="slots"`) is the same kernel with
+no dO: per chunk Sᵀ, Pᵀ and those column means, stored per entry. The teacher pass it replaced
+(mosaic_forward.py's KL pass without the student) took S = Q·Kᵀ [R, block] and averaged P over
+an entry's head rows by a wgmma on P in two 16-bit parts through shared memory, as many FLOPs
+as S again; with the keys along the rows an entry's heads are whole 8-column tiles of the
+WGMMA layout, so their mean is a sum within a thread and its quad's lanes.
+
 `Tiling.warpgroups = 2` (paired; pallas.Config's default, 1.03x the layer's forward+backward at
 32K, 1.01x at 128K on the H200, benchmarks/RESULTS.md 2026-12-05) takes both halves of a segment
 in one program, one warpgroup each: the chunks' Q and dO are copied once for both, and the dQ

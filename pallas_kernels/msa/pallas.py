@@ -11,8 +11,8 @@
   and the teacher, which the Mosaic backward's student gradients read (kept within
   `Config.teacher_bytes`, else the backward's gradients kernel takes it from its own P).
   `Config.kl_kernel="slots"` takes the student out of both: the attention pass without it, the
-  teacher pass, then the student's LSE and KL one row per entry in the student's kernel
-  (mosaic_student.py).
+  teacher pass (on the backward's items: `mosaic_backward.teacher_pass`), then the student's LSE
+  and KL one row per entry in the student's kernel (mosaic_student.py).
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
   multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
   32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel`
@@ -83,15 +83,17 @@ class Config:
     # "triton": LSE pass + forward pass; "mosaic": the Mosaic GPU forward (+ KL pass); "auto":
     # Mosaic where `concrete` picks it
     forward_kernel: str = "auto"
-    # the attention and teacher passes on two warpgroups a program, one Q stage each (the
-    # layer's forward 1.17x at 128K and 1.19x at 32K, fwd+bwd 1.06x and 1.08x, on the H100,
-    # benchmarks/RESULTS.md, 2026-12-07); `concrete` takes one where they do not fit
+    # the attention pass on two warpgroups a program, one Q stage each (with the teacher pass,
+    # since moved to the backward's items: the layer's forward 1.17x at 128K and 1.19x at 32K,
+    # fwd+bwd 1.06x and 1.08x, on the H100, benchmarks/RESULTS.md, 2026-12-07); `concrete` takes
+    # one where they do not fit
     mosaic: mosaic_forward.Tiling = mosaic_forward.Tiling(stages=1, warpgroups=2)
     # "triton": backward_kernel.py; "mosaic": the Mosaic GPU backward (mosaic_backward.py); "auto":
     # Mosaic where `concrete` picks it
     backward_kernel: str = "auto"
     # two warpgroups a program (paired; 1.03x the layer's fwd+bwd at 32K, 1.01x at 128K on the
-    # H200, benchmarks/RESULTS.md, 2026-12-05); `concrete` takes one where they do not fit
+    # H200, benchmarks/RESULTS.md, 2026-12-05); `concrete` takes one where they do not fit. The
+    # forward's teacher pass, which walks the backward's items, runs on it too
     mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=2)
     # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
