@@ -92,9 +92,11 @@ class Config:
     # Mosaic where `concrete` picks it
     backward_kernel: str = "auto"
     # two warpgroups a program (paired; 1.03x the layer's fwd+bwd at 32K, 1.01x at 128K on the
-    # H200, benchmarks/RESULTS.md, 2026-12-05); `concrete` takes one where they do not fit. The
-    # forward's teacher pass, which walks the backward's items, runs on it too
+    # H200, benchmarks/RESULTS.md, 2026-12-05); `concrete` takes one where they do not fit
     mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=2)
+    # the forward's teacher pass with the KL on slots (`mosaic_backward.teacher_pass`): the
+    # backward's items, a key half per warpgroup, over the forward's chunks of `mosaic.rows`
+    teacher: mosaic_forward.Tiling = mosaic_forward.Tiling(warpgroups=2)
     # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
     # backward's gradients kernel takes it from its P (long rows: 8.6 GB a layer at 512K tokens)
@@ -233,11 +235,16 @@ def unsupported_reason(
     config = concrete(config, q, k, index_q, block_size, interpret)
     index_dim = 0 if index_q is q else index_q.shape[3]
     if config.uses_mosaic:
+        rows = config.mosaic.rows
         reason = mosaic_forward.unsupported_reason(
             q.dtype, group, q.shape[3], block_size, config.mosaic, index_dim
         )
         if reason:
             return f"Mosaic forward: {reason}"
+        teacher = config.teacher
+        if teacher.warpgroups not in (1, mosaic_backward.KEY_PARTS) or teacher.rows != rows:
+            return (f"teacher pass: warpgroups={teacher.warpgroups}, rows={teacher.rows} are not "
+                    f"one key half or both over the forward's {rows} rows")  # fmt: skip
     if config.backward_kernel == "mosaic":
         reason = mosaic_backward.unsupported_reason(
             q.dtype, group, q.shape[3], block_size, config.mosaic_backward, index_dim
@@ -492,8 +499,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
             kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
         elif with_student:
-            teacher = mosaic_backward.teacher_pass(geo, config.mosaic_backward, lists,
-                                                   chunk_walk, keys, lse, **kernels)  # fmt: skip
+            teacher = mosaic_backward.teacher_pass(geo, config.teacher, lists, chunk_walk, keys,
+                                                   lse, **kernels)  # fmt: skip
             entries = dict(index_q=index_q, q=chunk_walk.q_rows, teacher=teacher,
                            segment_ids=segment_ids, offset=offset)  # fmt: skip
             operands = dict(chunk_walk.operands(), kseg=keys[2])

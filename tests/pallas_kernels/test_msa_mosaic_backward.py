@@ -40,9 +40,11 @@ from pallas_kernels.msa import (
 
 
 def mosaic(forward_kernel: str = "triton", warpgroups: int = 1, kl_kernel: str = "pass"):
+    """The Mosaic backward (and the teacher pass, with the KL on slots) on `warpgroups`."""
     tiling = mosaic_forward.Tiling(segment_chunks=2, warpgroups=warpgroups)
     return pallas.Config(forward_kernel=forward_kernel, backward_kernel="mosaic",
-                         mosaic_backward=tiling, kl_kernel=kl_kernel)  # fmt: skip
+                         mosaic_backward=tiling, kl_kernel=kl_kernel,
+                         teacher=mosaic_forward.Tiling(warpgroups=warpgroups))  # fmt: skip
 
 
 def reference_gradients(q, k, v, blocks, segments, positions, index=None):

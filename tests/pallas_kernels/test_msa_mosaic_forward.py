@@ -189,8 +189,7 @@ def test_lowers_for_cuda_without_a_gpu(with_student, kl_kernel, warpgroups, stag
     on slots also the forward without the student, the teacher pass and the student's KL kernel
     (beside the first two, which a window of more segments than the slots hold takes). With two
     warpgroups, the attention pass without the student runs them; the passes with a student run
-    one; the teacher pass runs the backward's tiling (`Config.mosaic_backward`: two, a key half
-    each)."""
+    one; the teacher pass two by default (`Config.teacher`: a key half each)."""
 
     def forward(q, k, v, blocks, segments, positions, *index):
         config = mosaic(16, stages, kl_kernel=kl_kernel, warpgroups=warpgroups)
@@ -238,6 +237,8 @@ def test_unsupported_reason_names_the_mosaic_limits():
     assert "shared memory" in reason(wide_heads, jnp.tile(k, (1, 1, 1, 4)))
     wide = pallas.Config(forward_kernel="mosaic", mosaic=mosaic_forward.Tiling(rows=128))
     assert "rows=128" in reason(q, k, config=wide)
+    teacher = pallas.Config(forward_kernel="mosaic", teacher=mosaic_forward.Tiling(warpgroups=4))
+    assert "teacher pass: warpgroups=4" in reason(q, k, config=teacher)
     assert "forward_kernel='cuda'" in reason(q, k, config=pallas.Config(forward_kernel="cuda"))
     # with a student: Di in whole 64-element tiles, and the index tiles in shared memory too
     with_index = lambda index_q, **kw: pallas.unsupported_reason(  # noqa: E731
