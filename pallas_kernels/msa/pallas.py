@@ -95,8 +95,10 @@ class Config:
     # H200, benchmarks/RESULTS.md, 2026-12-05); `concrete` takes one where they do not fit
     mosaic_backward: mosaic_forward.Tiling = mosaic_forward.Tiling(segment_chunks=32, warpgroups=2)
     # the forward's teacher pass with the KL on slots (`mosaic_backward.teacher_pass`): the
-    # backward's items, a key half per warpgroup, over the forward's chunks of `mosaic.rows`
-    teacher: mosaic_forward.Tiling = mosaic_forward.Tiling(warpgroups=2)
+    # backward's items, a key half per warpgroup, over the forward's chunks of `mosaic.rows`;
+    # two programs an SM (68 KiB of shared memory each at Dh = 128: the layer's forward 1.085x
+    # at 128K on the H100 against one, benchmarks/RESULTS.md, 2026-12-07; three: 1.04x)
+    teacher: mosaic_forward.Tiling = mosaic_forward.Tiling(warpgroups=2, programs_per_core=2)
     # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
     # backward's gradients kernel takes it from its P (long rows: 8.6 GB a layer at 512K tokens)
