@@ -1,20 +1,20 @@
 """The indexer student's gradients on Hopper GPUs (Mosaic GPU): d(index_q) and d(index_k) of the
 KL between the main branch's head-averaged attention (the teacher) and the student's softmax.
 
-The forward's KL pass (mosaic_forward.py: `kl_pass`) leaves the teacher of every selection entry
-over its block's keys, [E (+ a tail), block] fp32, one row per sorted entry. The kernel walks the
-gradients kernel's items (mosaic_backward.py: a segment's key half of 64 keys) and runs on a
-segment's entries in slots of SLOT_ENTRIES: per slot a TMA copy brings the slot's teacher rows
-[entries, keys] (a segment's entries are consecutive sorted entries, so the rows are one window of
-the teacher) beside its index_q rows, and the student's logits z = index_q·index_kᵀ [entries,
-keys], its probabilities exp(z·Di^-½ - LSE_z), d_z = (student - teacher)·d_kl·Di^-½,
-d(index_q) = d_z·index_k and d(index_k) += d_zᵀ·index_q are wgmmas of M = SLOT_ENTRIES (entries
-along the rows: the teacher loads as stored; keys along the rows, it would need a transposed
-load, which Mosaic GPU lowers for no fp32 WGMMA tile, and XLA laid the teacher out per key half
-and slot part first: 28 GB written a bench-h200 step at two rows, by XLA:GPU's plan). Before the
-KL pass stored the teacher, this kernel recomputed it (Sᵀ = K·Qᵀ and Pᵀ of every head, their
-group mean on wgmma): 32.6 ms of a bench-h200 step on the H200 (benchmarks/RESULTS.md,
-2026-12-03).
+The forward's teacher pass (mosaic_backward.py: `teacher_pass`; or its KL pass, mosaic_forward.py:
+`kl_pass`) leaves the teacher of every selection entry over its block's keys, [E (+ a tail), block]
+fp32, one row per sorted entry. The kernel walks the gradients kernel's items (mosaic_backward.py: a
+segment's key half of 64 keys) and runs on a segment's entries in slots of SLOT_ENTRIES: per slot a
+TMA copy brings the slot's teacher rows [entries, keys] (a segment's entries are consecutive sorted
+entries, so the rows are one window of the teacher) beside its index_q rows, and the student's
+logits z = index_q·index_kᵀ [entries, keys], its probabilities exp(z·Di^-½ - LSE_z), d_z =
+(student - teacher)·d_kl·Di^-½, d(index_q) = d_z·index_k and d(index_k) += d_zᵀ·index_q are wgmmas
+of M = SLOT_ENTRIES (entries along the rows: the teacher loads as stored; keys along the rows, it
+would need a transposed load, which Mosaic GPU lowers for no fp32 WGMMA tile, and XLA laid the
+teacher out per key half and slot part first: 28 GB written a bench-h200 step at two rows, by
+XLA:GPU's plan). Before the KL pass stored the teacher, this kernel recomputed it (Sᵀ = K·Qᵀ and Pᵀ
+of every head, their group mean on wgmma): 32.6 ms of a bench-h200 step on the H200
+(benchmarks/RESULTS.md, 2026-12-03).
 
 The same kernel takes the forward's KL with `Config.kl_kernel = "slots"` (`kl_terms`): per slot
 and entry the LSE of z·Di^-½ over the half's keys, Σ t·(log t - z·Di^-½) and Σ t, one value per
@@ -165,15 +165,14 @@ TERMS = ("lse_z", "cross", "mass")  # the forward's per-entry terms of the KL (`
 def kl_terms(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,
              operands: dict, window: dict, index_keys, bound: int, *,
              interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    """The student's side of the indexer's KL, one row per sorted entry (where the KL pass
-    computes the student's logits and the KL's logs on each of an entry's Ge head rows), from
-    the teacher pass' teacher t (`mosaic_forward.kl_pass` without a student): over the block's
-    keys the LSE of the student's logits z·Di^-½ [KEY_PARTS, E] per key half (-inf where the
-    entry sees none of the half's keys), Σ t·(log t - z·Di^-½) [E] and Σ t [E]. A query's KL is
-    Σ of the second over its selections + LSE_z · Σ of the third, LSE_z the logsumexp of the
-    first (pallas.py), so the attention pass needs no student. Arguments as `gradients`', the
-    window without lse_z and d_kl; at most `bound` segments (more: the entries past them are
-    lost, so the caller takes the KL pass there)."""
+    """The student's side of the indexer's KL, one row per sorted entry (where the KL pass computes
+    the student's logits and the KL's logs on each of an entry's Ge head rows), from the teacher
+    pass' teacher t (`mosaic_backward.teacher_pass`): over the block's keys the LSE of the student's
+    logits z·Di^-½ [KEY_PARTS, E] per key half (-inf where the entry sees none of the half's keys),
+    Σ t·(log t - z·Di^-½) [E] and Σ t [E]. A query's KL is Σ of the second over its selections +
+    LSE_z · Σ of the third, LSE_z the logsumexp of the first (pallas.py), so the attention pass
+    needs no student. Arguments as `gradients`', the window without lse_z and d_kl; at most `bound`
+    segments (more: the entries past them are lost, so the caller takes the KL pass there)."""
     slots = slot_layout(operands["table"], lists.num_segments, geo.entries, bound)
     index_q, data, _ = slot_operands(geo, lists, slots, window, values=())
     count = num_slots(geo.entries, bound)
