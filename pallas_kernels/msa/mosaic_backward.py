@@ -33,7 +33,10 @@ no dO: per chunk Sᵀ, Pᵀ and those column means, stored per entry. The teache
 (mosaic_forward.py's KL pass without the student) took S = Q·Kᵀ [R, block] and averaged P over
 an entry's head rows by a wgmma on P in two 16-bit parts through shared memory, as many FLOPs
 as S again; with the keys along the rows an entry's heads are whole 8-column tiles of the
-WGMMA layout, so their mean is a sum within a thread and its quad's lanes.
+WGMMA layout, so their mean is a sum within a thread and its quad's lanes. On one program an SM
+it was no faster (28.1 ms at 128K on an H100, as the attention pass: latency-bound on its
+per-entry Q copies); its 68 KiB of shared memory (≈ 206 before) let two programs share an SM,
+`pallas.Config.teacher`'s default: the layer's forward 1.085x (benchmarks/RESULTS.md, 2026-12-07).
 
 `Tiling.warpgroups = 2` (paired; pallas.Config's default, 1.03x the layer's forward+backward at
 32K, 1.01x at 128K on the H200, benchmarks/RESULTS.md 2026-12-05) takes both halves of a segment
