@@ -528,9 +528,8 @@ def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict,
                         results["kl"], teacher = _kl_chunk(own, logits, seen, z, *per_row["lses"])
                     else:
                         results.update(_attention_chunk(own, logits, seen))
-                    if results:
-                        store_chunk(geo, own, ref, results, (first + chunk * queries) * group,
-                                    count - chunk * queries)  # fmt: skip
+                    store_chunk(geo, own, ref, results, (first + chunk * queries) * group,
+                                count - chunk * queries)  # fmt: skip
                     if keeps_teacher:  # an entry's rows hold one teacher: its first row is stored
                         store_chunk(geo, own, ref, {"teacher": teacher}, first + chunk * queries,
                                     count - chunk * queries, stored_rows=1)  # fmt: skip
