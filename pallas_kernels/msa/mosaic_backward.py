@@ -180,7 +180,7 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     `segment_bound` gets NaN in dQ and in the key rows its segments reach.
 
     window: q, d_out [B, W, H, Dh], lse, delta [B, W, K, G], segment_ids [B, S], offset; with a
-    student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K] and the KL pass' teacher, or None:
+    student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K] and the forward's teacher, or None:
     then the gradients kernel takes the teacher from its Pᵀ (`teacher_rows`). keys:
     `shifted_keys` of k, v, segment ids; index_keys: `shifted_keys` of index_k in q's dtype (with
     a student) or None. sums: `running_sums` (with d(index_k)'s when there is a student).

@@ -216,7 +216,7 @@ def tiles(dtype, *shape):
 
 KEY_PARTS = 2  # items per segment: key halves, so that dK and dV fit one warpgroup's registers
 PART_KEYS = 64  # keys of an item: one wgmma M
-# rows past the last entry of the KL pass' teacher [E + TEACHER_TAIL, block]: the student's
+# rows past the last entry of the forward's teacher [E + TEACHER_TAIL, block]: the student's
 # kernel copies a segment's entries a whole slot of 64 at a time, up to 63 rows past its last
 TEACHER_TAIL = 64
 WGMMA = plgpu.Layout.WGMMA

@@ -99,12 +99,13 @@ class Config:
     # two programs an SM (68 KiB of shared memory each at Dh = 128: the layer's forward 1.085x
     # at 128K on the H100 against one, benchmarks/RESULTS.md, 2026-12-07; three: 1.04x)
     teacher: mosaic_forward.Tiling = mosaic_forward.Tiling(warpgroups=2, programs_per_core=2)
-    # the most bytes of the KL pass' teacher (fp32 per selection entry and key: 16 KB a token at
+    # the most bytes of the forward's teacher (the teacher pass', or the KL pass' with
+    # kl_kernel "pass"; fp32 per selection entry and key: 16 KB a token at
     # 2 kv heads, 4x the attention output) a layer keeps for the Mosaic backward; beyond, the
     # backward's gradients kernel takes it from its P (long rows: 8.6 GB a layer at 512K tokens)
     teacher_bytes: int = 1 << 30
     # the Mosaic forward's KL with a student: "slots", the attention pass runs without the
-    # student and the KL pass computes the teacher alone; the student's kernel takes LSE_z and
+    # student and the teacher pass computes the teacher; the student's kernel takes LSE_z and
     # the KL one row per entry (mosaic_student.kl_terms; 1.08x the layer's forward at 128K on the
     # H200, benchmarks/RESULTS.md, 2026-12-05); "pass", the attention pass and the KL pass compute
     # the student's logits (its LSE, the KL) on each of an entry's head rows: also the way of
