@@ -8,12 +8,14 @@ the XLA path) checked, then timed.
 Checks first (fresh random inputs, NaN-poisoned memory freed just before each run, so unwritten
 outputs show): the kernels against the O(S²) reference in float32 at a short length, and against
 the XLA path in bfloat16 at a longer one whose row holds two documents, the second starting
-mid-block — selection, output, KL and the gradients of q, k, v and both index projections.
+mid-block — selection, output, KL and the gradients of q, k, v and both index projections; those
+again with the KL through a sink (`sink_*`: the training step's way, the KL from the backward).
 Then per length: cuDNN causal attention (forward; forward+backward) and each MSA implementation's
 selection, forward (selection + sparse attention + indexer KL) and forward+backward (one training
-step's attention work), bf16, batch 1, 64 query / 4 kv heads, head dim 128, 4 index heads of 128,
-blocks of 128, top-16. Reports the median time, compiled memory, TFLOP/s by the spec/msa.md §3 cost
-model and the ratio to cuDNN measured in the same run. The last stdout line is JSON.
+step's attention work, the KL's value through a sink as the step takes it), bf16, batch 1, 64
+query / 4 kv heads, head dim 128, 4 index heads of 128, blocks of 128, top-16. Reports the median
+time, compiled memory, TFLOP/s by the spec/msa.md §3 cost model and the ratio to cuDNN measured in
+the same run. The last stdout line is JSON.
 
 `--forward-kernels` adds the phases `attn` and `attn-kl` (unless `--phases` names one of them):
 the sparse attention forward alone on a given selection, without the student (`attn`) and with it
@@ -70,10 +72,11 @@ def make_inputs(seq: int, dtype=jnp.bfloat16, seed: int = 0, documents: int = 1)
 
 
 def msa_layer(module, **kwargs):
-    def layer(q, k, v, index_q, index_k, segment_ids, positions):
+    def layer(q, k, v, index_q, index_k, segment_ids, positions, kl_sink=None):
         blocks = module.top_blocks(index_q, index_k, segment_ids, positions, **MSA, **kwargs)
         return module.sparse_attention(q, k, v, blocks, segment_ids, positions, block_size=BLOCK,
-                                       student=(index_q, index_k), **kwargs)  # fmt: skip
+                                       student=(index_q, index_k), kl_sink=kl_sink,
+                                       **kwargs)  # fmt: skip
 
     return layer
 
@@ -85,14 +88,16 @@ def msa_functions(name: str, module, **kwargs) -> dict:
         return module.top_blocks(index_q, index_k, segment_ids, positions, **MSA, **kwargs)
 
     def train(q, k, v, index_q, index_k, segment_ids, positions):
-        def loss(q, k, v, index_q, index_k):
-            out, kl = layer(q, k, v, index_q, index_k, segment_ids, positions)
+        def loss(q, k, v, index_q, index_k, kl_sink):
+            out, kl = layer(q, k, v, index_q, index_k, segment_ids, positions, kl_sink)
             return out.astype(jnp.float32).sum() + kl.sum()
 
-        # the loss's value too, as a training step reports it: under jax.grad alone XLA drops the
-        # work that only the KL's value needs (the Mosaic forward's KL pass; runs before
-        # 2026-12-03 timed fwd+bwd without it)
-        return jax.value_and_grad(loss, argnums=range(5))(q, k, v, index_q, index_k)
+        # the loss's value too, as a training step reports it, the KL's through a sink as the
+        # step takes it (pretrain/train_step.py): under jax.grad alone XLA drops the work that
+        # only the KL's value needs (runs before 2026-12-03 timed fwd+bwd without it)
+        sink = jnp.zeros((*index_q.shape[:3],), jnp.float32)
+        value, grads = jax.value_and_grad(loss, argnums=range(6))(q, k, v, index_q, index_k, sink)
+        return value + grads[5].sum(), grads[:5]
 
     return {f"{name} select": select, f"{name} fwd": lambda **x: layer(**x),
             f"{name} fwd+bwd": train}  # fmt: skip
@@ -264,16 +269,22 @@ def compare(expected_module, seq: int, dtype, documents: int, config) -> dict:
     got = select(pallas, x, config=config)
     weights = jax.random.normal(jax.random.key(1), x["q"].shape, jnp.float32)
 
-    def loss_and_grads(module, x, **kwargs):
-        def loss(q, k, v, index_q, index_k):
+    def loss_and_grads(module, x, sink=False, **kwargs):
+        """(out, KL, the five gradients); sink: the KL through a sink, its gradient."""
+
+        def loss(q, k, v, index_q, index_k, kl_sink):
             out, kl = module.sparse_attention(q, k, v, blocks, x["segment_ids"], x["positions"],
                                               block_size=BLOCK, student=(index_q, index_k),
-                                              **kwargs)  # fmt: skip
+                                              kl_sink=kl_sink, **kwargs)  # fmt: skip
             return (out.astype(jnp.float32) * weights).sum() + kl.sum(), (out, kl)
 
         args = [x[name] for name in ("q", "k", "v", "index_q", "index_k")]
-        (_, values), grads = jax.jit(jax.value_and_grad(loss, range(5), has_aux=True))(*args)
-        return (*values, *grads)
+        kl_sink = jnp.zeros(x["index_q"].shape[:3], jnp.float32) if sink else None
+        argnums = range(6 if sink else 5)
+        (_, (out, kl)), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(
+            *args, kl_sink
+        )
+        return (out, grads[5] if sink else kl, *grads[:5])
 
     names = ("out", "kl", "dq", "dk", "dv", "d_index_q", "d_index_k")
     expected = loss_and_grads(expected_module, x32)
@@ -287,6 +298,10 @@ def compare(expected_module, seq: int, dtype, documents: int, config) -> dict:
         "all_finite": all(bool(jnp.isfinite(a).all()) for a in (got, *got_values)),
     }
     result.update({name: relative(g, e) for name, g, e in zip(names, got_values, expected)})
+    poison_memory()  # the KL through a sink (a training step's way): computed in the backward
+    sunk = loss_and_grads(pallas, x, sink=True, config=config)
+    result.update({f"sink_{name}": relative(g, e) for name, g, e in zip(names, sunk, expected)})
+    result["all_finite"] &= all(bool(jnp.isfinite(a).all()) for a in sunk)
     if dtype != jnp.float32:
         xla_values = loss_and_grads(xla, x)
         result.update({f"xla_{name}": relative(g, e)

@@ -133,10 +133,16 @@ class Attention(nnx.Module):
         self.mesh = mesh
 
     def __call__(
-        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
+        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode, kl_sink=None
     ) -> tuple[jax.Array, MSAStats | None, LayerCache | None]:
         """x: [B, S, D] normed hidden state -> ([B, S, D], MSAStats on MSA layers, this layer's
-        LayerCache entries with mode.kv_cache)."""
+        LayerCache entries with mode.kv_cache).
+
+        kl_sink: None, or on an MSA layer with mode.indexer_loss a zero fp32 scalar whose
+        gradient is the layer's KL (what MSAStats.kl holds otherwise, which is 0 then): the
+        kernels may compute the KL in the backward, beside the student's gradients, and the
+        training step reads it from the sink (pallas_kernels/msa/reference.py: kl_through_sink).
+        """
         p = self.project(x, inputs)
         msa_stats = None
         if self.indexer is None:
@@ -147,7 +153,7 @@ class Attention(nnx.Module):
 
             out = self._on_devices(dense, (p.q,), (p.k, p.v), (inputs.segment_ids,))
         else:
-            out, msa_stats = self._sparse(p, inputs, mode)
+            out, msa_stats = self._sparse(p, inputs, mode, kl_sink)
         cache = LayerCache(p.k, p.v, p.index_k) if mode.kv_cache else None
         return self._output(out, x.dtype), msa_stats, cache
 
@@ -202,20 +208,28 @@ class Attention(nnx.Module):
         """The output projection in the activation dtype (that of the layer's input)."""
         return jnp.einsum("bshe,hed->bsd", out, self.o_proj[...].astype(dtype))
 
-    def _sparse(self, p: Projections, inputs: AttentionInputs, mode: ForwardMode):
-        """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks for."""
+    def _sparse(self, p: Projections, inputs: AttentionInputs, mode: ForwardMode, kl_sink):
+        """The MSA main branch (dense during warm-up) and the indexer statistics the mode asks
+        for; the KL through the layer's sink when given one (`__call__`)."""
         msa, segment_ids, positions = self.msa, inputs.segment_ids, inputs.positions
         q, k, v, index_q, index_k = p
         backend = attention_ops.msa_backend(
             self.impl, msa, q, k, index_q, self.msa_kernels, few_documents=mode.few_documents
         )
+        valid = segment_ids > 0
+        token_sinks = None
+        if kl_sink is not None and mode.indexer_loss:  # its gradient: `_mean_over_tokens` of KL
+            weights = valid / (jnp.maximum(valid.sum(), 1) * index_q.shape[2])
+            token_sinks = jnp.broadcast_to(kl_sink * weights[..., None], index_q.shape[:3])
 
-        def layer(q, index_q, k, v, index_k, segment_ids, positions, query_slots=None):
+        def layer(q, index_q, token_sinks, k, v, index_k, segment_ids, positions,
+                  query_slots=None):  # fmt: skip
             out, kl, blocks = attention_ops.msa_layer(
                 backend, msa, q, k, v, index_q, index_k, segment_ids, positions,
                 dense_phase=mode.msa_dense,
                 student=(index_q, index_k) if mode.indexer_loss else None,
                 with_blocks=not mode.msa_dense or mode.block_recall, query_slots=query_slots,
+                kl_sink=token_sinks,
             )  # fmt: skip
             hits = None
             if mode.block_recall:
@@ -225,9 +239,8 @@ class Attention(nnx.Module):
             return out, kl, blocks, hits
 
         out, kl, blocks, hits = self._on_devices(
-            layer, (q, index_q), (k, v), (index_k, segment_ids, positions)
+            layer, (q, index_q, token_sinks), (k, v), (index_k, segment_ids, positions)
         )
-        valid = segment_ids > 0
         stats = MSAStats(blocks, None if kl is None else _mean_over_tokens(kl, valid))
         if hits is not None:
             stats = stats._replace(recall=_mean_over_tokens(hits, valid))

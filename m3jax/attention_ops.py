@@ -39,7 +39,7 @@ from pallas_kernels.msa import reference as msa_reference
 from pallas_kernels.msa import tpu as msa_tpu
 from pallas_kernels.msa import xla as msa_xla
 from pallas_kernels.msa.mosaic_backward import most_documents
-from pallas_kernels.msa.reference import Student
+from pallas_kernels.msa.reference import Student, kl_through_sink
 
 MSA_BACKENDS = {"reference": msa_reference, "xla": msa_xla, "pallas": msa_pallas}
 
@@ -140,6 +140,7 @@ def msa_layer(
     student: Student,
     with_blocks: bool,
     query_slots: jax.Array | None = None,
+    kl_sink: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """One MSA layer's attention -> (out [B, S, H, Dh], KL [B, S, Hi] or None, blocks or None).
 
@@ -148,6 +149,8 @@ def msa_layer(
     dense attention, so the dense path runs then too. with_blocks: also return the selection
     [B, S, Hi, k] (always computed when the layer attends sparsely). query_slots: [S] the
     queries' slots in the row of T keys (k, v, index_k, segment_ids, positions); None: S = T.
+    kl_sink: [B, S, Hi] fp32 or None, with a student: the KL goes to the sink's cotangent
+    (pallas_kernels/msa/reference.py: `kl_through_sink`).
     """
     sparse = not dense_phase and k.shape[1] > msa.topk_blocks * msa.block_size
     # only context parallelism passes query slots: backends without them keep their signature
@@ -161,10 +164,11 @@ def msa_layer(
     if sparse:
         out, kl = backend.sparse_attention(
             q, k, v, blocks, segment_ids, positions, block_size=msa.block_size, student=student,
-            **slots,
+            kl_sink=kl_sink, **slots,
         )  # fmt: skip
     else:
         out, kl = backend.dense_attention(q, k, v, segment_ids, student=student, **slots)
+        kl = kl_through_sink(kl, kl_sink)
     return out, kl, blocks
 
 

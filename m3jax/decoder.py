@@ -64,11 +64,11 @@ class DecoderLayer(nnx.Module):
             )
 
     def __call__(
-        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode
+        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode, kl_sink=None
     ) -> tuple[jax.Array, LayerStats]:
         """x: [B, S, D] -> ([B, S, D], its LayerStats: moe, msa, cache as the layer and `mode`
-        have them)."""
-        attention_out, msa, cache = self.attention(self.input_norm(x), inputs, mode)
+        have them). kl_sink: an MSA layer's (m3jax/attention.py: `Attention.__call__`) or None."""
+        attention_out, msa, cache = self.attention(self.input_norm(x), inputs, mode, kl_sink)
         out, moe = self._feed_forward(x + attention_out, inputs)
         return out, LayerStats(moe, msa, cache)
 
@@ -115,16 +115,19 @@ class LayerStack(nnx.Module):
         mode: ForwardMode,
         *,
         output_hidden_states: bool = False,
+        kl_sinks: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerStats]:
         """x: [B, S, D] -> ([B, S, D], LayerStats stacked over layers; with output_hidden_states
-        also `hidden`: each layer's output [L, B, S, D])."""
+        also `hidden`: each layer's output [L, B, S, D]). kl_sinks: [L] fp32 zeros, each MSA
+        layer's KL sink (`Attention.__call__`), or None."""
 
-        def step(layer: DecoderLayer, x: jax.Array) -> tuple[jax.Array, LayerStats]:
-            y, stats = layer(sharding.constrain_activations(x, self.mesh), inputs, mode)
+        def step(layer: DecoderLayer, x: jax.Array, kl_sink=None) -> tuple[jax.Array, LayerStats]:
+            y, stats = layer(sharding.constrain_activations(x, self.mesh), inputs, mode, kl_sink)
             y = sharding.constrain_activations(y, self.mesh)
             return y, (stats._replace(hidden=y) if output_hidden_states else stats)
 
-        return scan_layers(self.layers, x, step, self.remat, projection_dtype=x.dtype)
+        return scan_layers(self.layers, x, step, self.remat, projection_dtype=x.dtype,
+                           per_layer=kl_sinks)  # fmt: skip
 
     def decode(
         self, x: jax.Array, inputs: AttentionInputs, cache: LayerCache

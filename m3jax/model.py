@@ -95,14 +95,17 @@ class M3Model(nnx.Module):
         segment_ids: jax.Array,
         vision: VisionInputs | None = None,
         mode: ForwardMode = ForwardMode(),
+        kl_sinks: list | None = None,
     ) -> tuple[jax.Array, list[LayerStats], list[MTPOutput]]:
         """`__call__` plus the MTP modules, both up to the lm_head: (the final-normed hidden
         states [B, S, D] in config.dtype, stats, one MTPOutput per module (m3jax/mtp.py; none
         without MTP modules)). `head` gives
         their logits; the training loss applies the lm_head itself in token chunks
-        (pretrain/chunked_loss.py), so no [B, S, V] logits exist."""
+        (pretrain/chunked_loss.py), so no [B, S, V] logits exist. kl_sinks: per layer stack
+        [L] fp32 zeros (MSA stacks) or None, the trunk's MSA layers' KL sinks
+        (`Functional.kl_sinks`)."""
         embeddings, hidden, inputs, stats = self._trunk(
-            tokens, positions, segment_ids, vision, mode, False
+            tokens, positions, segment_ids, vision, mode, False, kl_sinks
         )
         mtp = [] if self.mtp is None else self.mtp(embeddings, hidden, inputs, mode)
         return self.final_norm(hidden), stats, mtp
@@ -113,22 +116,26 @@ class M3Model(nnx.Module):
             "bsd,dv->bsv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32
         )
 
-    def _trunk(self, tokens, positions, segment_ids, vision, mode, output_hidden_states):
+    def _trunk(self, tokens, positions, segment_ids, vision, mode, output_hidden_states,
+               kl_sinks=None):  # fmt: skip
         """(input embeddings, last layer output before the final norm, attention inputs, stats)."""
         config = self.config
         embeddings = self.embeddings(tokens, vision)
         cos, sin = rope_tables(positions, config.rotary_dim, config.rope_theta)
         inputs = AttentionInputs(positions, segment_ids, cos, sin)
         x, stats = context_parallel.run_balanced(
-            self._layers, self.mesh, embeddings, inputs, mode, output_hidden_states, layer_axis=True
-        )
+            self._layers, self.mesh, embeddings, inputs, mode, output_hidden_states, kl_sinks,
+            layer_axis=True,
+        )  # fmt: skip
         return embeddings, x, inputs, stats
 
-    def _layers(self, x, inputs, mode, output_hidden_states):
+    def _layers(self, x, inputs, mode, output_hidden_states, kl_sinks=None):
         """Every layer stack in order -> (last output, stats per stack)."""
         stats = []
-        for stack in self.stacks:
-            x, stack_stats = stack(x, inputs, mode, output_hidden_states=output_hidden_states)
+        kl_sinks = [None] * len(self.stacks) if kl_sinks is None else kl_sinks
+        for stack, sinks in zip(self.stacks, kl_sinks, strict=True):
+            x, stack_stats = stack(x, inputs, mode, output_hidden_states=output_hidden_states,
+                                   kl_sinks=sinks)  # fmt: skip
             stats.append(stack_stats)
         return x, stats
 
@@ -206,11 +213,18 @@ class Functional:
         segment_ids: jax.Array,
         vision: VisionInputs | None = None,
         mode: ForwardMode = ForwardMode(),
+        kl_sinks: list | None = None,
     ) -> tuple[jax.Array, list[LayerStats], list[MTPOutput]]:
         """Forward pass with the MTP modules (training), up to the lm_head (`params["lm_head"]`,
         [D, V]): see M3Model.normed_with_mtp."""
         model = nnx.merge(self.graphdef, params, buffers)
-        return model.normed_with_mtp(tokens, positions, segment_ids, vision, mode)
+        return model.normed_with_mtp(tokens, positions, segment_ids, vision, mode, kl_sinks)
+
+    def kl_sinks(self) -> list:
+        """Per layer stack, zeros [L] fp32 where its layers are MSA layers, else None: the
+        sinks whose gradients are the layers' KLs (m3jax/attention.py: `Attention.__call__`)."""
+        return [jnp.zeros(count, jnp.float32) if attention == "msa" else None
+                for attention, _, count in layer_runs(self.config)]  # fmt: skip
 
     def head(self, params: dict, buffers: dict, hidden: jax.Array) -> jax.Array:
         """Logits [B, S, V] fp32 of final-normed hidden states [B, S, D]: see M3Model.head."""

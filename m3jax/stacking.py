@@ -63,8 +63,11 @@ def scan_layers(
     step: Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]],
     remat: str,
     projection_dtype: jnp.dtype | None = None,
+    per_layer: Any = None,
 ) -> tuple[jax.Array, Any]:
     """Runs `step(layer, x) -> (x, per-layer output)` over the stack; outputs stacked over layers.
+    per_layer: None, or a pytree of arrays with a leading layer axis whose slices the step takes
+    as a third argument, `step(layer, x, slice)` (the MSA layers' KL sinks, m3jax/attention.py).
 
     remat: one of REMAT_POLICIES' names, or "none" (what the backward pass recomputes per
     layer). projection_dtype: the dtype every layer casts its `*_proj` weights to at use (the
@@ -79,12 +82,14 @@ def scan_layers(
             lambda path, w: w.astype(projection_dtype) if _is_projection(path) else w, state
         )
 
-    def body(x, layer_state):
-        return step(nnx.merge(graphdef, layer_state), x)
+    def body(x, scanned):
+        layer_state, extra = scanned
+        layer = nnx.merge(graphdef, layer_state)
+        return step(layer, x) if per_layer is None else step(layer, x, extra)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, state)
+    return jax.lax.scan(body, x, (state, per_layer))
 
 
 def _is_projection(path) -> bool:

@@ -75,6 +75,18 @@ def msa_metrics(stats: list[LayerStats], token_shares: list, labels: list[str]):
     return kl_sum, metrics
 
 
+def with_sunk_kl(kl_weight: float, loss, metrics: dict, sink_grads: list, labels: list[str]):
+    """(loss, metrics) of a step whose trunk's MSA layers sent their KLs to sinks (m3jax/model.py:
+    `Functional.kl_sinks`): each layer's KL, its sink's gradient, added to its `msa_kl_<label>`
+    (0 from the loss function; the trunk's layers come first in `labels`), `msa_kl` their mean
+    again, and kl_weight · their sum to the loss."""
+    sunk = jnp.concatenate([g for g in sink_grads if g is not None])
+    names = [f"msa_kl_{label}" for label in labels]
+    per_layer = jnp.stack([metrics[name] for name in names]).at[: sunk.shape[0]].add(sunk)
+    metrics = {**metrics, **dict(zip(names, per_layer, strict=True)), "msa_kl": per_layer.mean()}
+    return loss + kl_weight * sunk.sum(), metrics
+
+
 def token_share(segment_ids: jax.Array, total: jax.Array) -> jax.Array:
     """This part's share of the whole batch's real tokens (MSA statistics are means over them)."""
     return (segment_ids > 0).sum() / jnp.maximum(total, 1)

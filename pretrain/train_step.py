@@ -50,6 +50,7 @@ from pretrain.step_metrics import (
     msa_metrics,
     router_loads,
     token_share,
+    with_sunk_kl,
 )
 
 LossFn = Callable[[dict, dict, Batch, ForwardMode, dict], tuple[jax.Array, tuple[dict, list]]]
@@ -66,21 +67,27 @@ def init_state(model: Functional, optimizer: optax.GradientTransformation, seed:
 
 
 def make_loss_fn(model: Functional, run: RunConfig) -> LossFn:
-    """loss_fn(params, buffers, batch, mode, totals) -> (loss, (metrics, loads)).
+    """loss_fn(params, buffers, batch, mode, totals, kl_sinks=None) -> (loss, (metrics, loads)).
 
     loads: per layer stack, then per MTP module, the tokens routed to each expert ([layers, E];
     None without MoE). Every metric adds up over the parts of a batch (see the module docstring).
+    kl_sinks: `Functional.kl_sinks` or None; with them the trunk's MSA layers' KLs are left out
+    of the loss and its metrics (0) and come as the sinks' gradients (`with_sunk_kl`).
     """
     config = run.model
     labels = layer_labels(config)
 
-    def loss_fn(params, buffers, batch, mode, totals):
+    def loss_fn(params, buffers, batch, mode, totals, kl_sinks=None):
         vision = None
         if config.vision is not None and batch.vision is not None:
             vision = from_packed_rows(batch.vision, config.vision.spatial_merge_size)
+        if kl_sinks is not None:  # the sinks' gradients: this part's share of each layer's KL
+            share = token_share(batch.segment_ids, totals["tokens"])
+            kl_sinks = [None if s is None else s * share for s in kl_sinks]
         normed, stats, mtp = model.apply_normed_with_mtp(
-            params, buffers, batch.tokens, batch.positions, batch.segment_ids, vision, mode=mode
-        )
+            params, buffers, batch.tokens, batch.positions, batch.segment_ids, vision, mode=mode,
+            kl_sinks=kl_sinks,
+        )  # fmt: skip
 
         gathered = lm_head_gathered(model.param_axes["lm_head"], params["lm_head"].shape,
                                     model.mesh)  # fmt: skip
@@ -146,14 +153,27 @@ def make_step_halves(
     writes it: jitted apart, a copy of the state can run beside the first while only the
     second donates it (pretrain/session.py: a save's copy of the state)."""
     config, parts = run.model, run.train.grad_accum_steps
-    loss_and_grad = jax.value_and_grad(make_loss_fn(model, run), has_aux=True)
+    loss_fn = make_loss_fn(model, run)
+
+    def sunk_loss_fn(differentiated, buffers, batch, mode, totals):
+        params, kl_sinks = differentiated
+        return loss_fn(params, buffers, batch, mode, totals, kl_sinks)
+
+    # the KL sinks differentiated beside the parameters: their gradients are the MSA layers' KLs,
+    # which the kernels then compute in the backward (m3jax/attention.py: Attention.__call__)
+    loss_and_grad = jax.value_and_grad(sunk_loss_fn, has_aux=True)
     labels = layer_labels(config)
+    kl_sinks = model.kl_sinks()
 
     def gradients(state: dict, batch: Batch, mode: ForwardMode) -> tuple[dict, tuple]:
         totals = loss_totals(batch, config.mtp.num_modules, parts)
-        (loss, (metrics, loads)), grads = accumulated(loss_and_grad, parts)(
-            state["params"], state["buffers"], batch, mode, totals
+        sinks = kl_sinks if mode.indexer_loss and any(s is not None for s in kl_sinks) else None
+        (loss, (metrics, loads)), (grads, sink_grads) = accumulated(loss_and_grad, parts)(
+            (state["params"], sinks), state["buffers"], batch, mode, totals
         )
+        if sinks is not None:
+            loss, metrics = with_sunk_kl(config.msa.kl_weight, loss, metrics, sink_grads,
+                                         labels["msa"])  # fmt: skip
         metrics["tokens"] = (batch.segment_ids > 0).sum()
         return grads, (loss, metrics, loads)
 

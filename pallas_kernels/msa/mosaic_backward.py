@@ -176,12 +176,16 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     """One window's gradients: (dq shares [parts, E, G, Dh] in q's dtype at sorted positions
     (parts: KEY_PARTS, or 1 with paired warpgroups), `sums` with the window's added, with a
     student d(index_q)'s (shares at slot rows, the slot row of each sorted entry) as
-    `mosaic_student.gradients` gives them, else None). A window of more segments than
-    `segment_bound` gets NaN in dQ and in the key rows its segments reach.
+    `mosaic_student.gradients` gives them, else None; the KL [B, W, K] fp32 where the backward
+    computed it, else None). A window of more segments than `segment_bound` gets NaN in dQ and
+    in the key rows its segments reach.
 
     window: q, d_out [B, W, H, Dh], lse, delta [B, W, K, G], segment_ids [B, S], offset; with a
     student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K] and the forward's teacher, or None:
-    then the gradients kernel takes the teacher from its Pᵀ (`teacher_rows`). keys:
+    then the gradients kernel takes the teacher from its Pᵀ (`teacher_rows`). lse_z None (a KL
+    sink: the forward ran no student): the student's kernel takes LSE_z and the KL from that
+    teacher first (`mosaic_student.kl_terms`; window's valid [B, W, K, k]: the selections that
+    hold a block). keys:
     `shifted_keys` of k, v, segment ids; index_keys: `shifted_keys` of index_k in q's dtype (with
     a student) or None. sums: `running_sums` (with d(index_k)'s when there is a student).
     """
@@ -208,13 +212,18 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     dq = results["dq"].reshape(KEY_PARTS, geo.entries, per_entry, -1)[:, :, : geo.group]
     if paired:
         dq = jnp.concatenate(list(dq), axis=-1)[None]
-    diq = None
+    diq = kl = None
     if index_keys is not None:
         if "teacher" in results:
             w = dict(w, teacher=results["teacher"])
+        if w["lse_z"] is None:
+            terms = mosaic_student.kl_terms(geo, tiling, lists, operands, w, index_keys, bound,
+                                            interpret=interpret)  # fmt: skip
+            kl, lse_z = mosaic_student.query_kl(geo, lists, w["valid"], terms)
+            w = dict(w, lse_z=lse_z)
         diq = mosaic_student.gradients(geo, tiling, lists, dict(operands, dik=totals[2]), w,
                                        index_keys, bound, interpret=interpret)  # fmt: skip
-    return dq, tuple(jax.freeze(total) for total in totals), diq
+    return dq, tuple(jax.freeze(total) for total in totals), diq, kl
 
 
 def teacher_pass(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists,

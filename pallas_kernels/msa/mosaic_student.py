@@ -16,7 +16,8 @@ XLA:GPU's plan). Before the KL pass stored the teacher, this kernel recomputed i
 of every head, their group mean on wgmma): 32.6 ms of a bench-h200 step on the H200
 (benchmarks/RESULTS.md, 2026-12-03).
 
-The same kernel takes the forward's KL with `Config.kl_kernel = "slots"` (`kl_terms`): per slot
+The same kernel takes the forward's KL with `Config.kl_kernel = "slots"` (`kl_terms`; under a
+KL sink the backward's, from the gradients kernel's teacher, before the gradients): per slot
 and entry the LSE of z·Di^-½ over the half's keys, Σ t·(log t - z·Di^-½) and Σ t, one value per
 entry, where the attention and KL passes compute z, its LSE and the KL's logs on every one of an
 entry's Ge head rows (16 at M3's layout), with their own copies of the index rows.
@@ -187,6 +188,24 @@ def kl_terms(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.BlockLists
         for name in TERMS
     )  # fmt: skip
     return lse_z, cross.sum(0), mass.sum(0)
+
+
+def query_kl(geo: chunks.Geometry, lists: block_lists.BlockLists, valid: jax.Array,
+             terms: tuple) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """`kl_terms`' per-entry terms -> each (query, kv head)'s (KL, LSE_z) [B, W, K] fp32: LSE_z
+    the logsumexp of its selections' LSEs, the KL Σ of their cross terms + LSE_z · Σ of their
+    masses (0 where the query sees no key). valid: [B, W, K, k] the selections that hold a
+    block."""
+    shape = valid.shape
+
+    def by_slot(per_entry, fill):  # [E] at sorted positions -> [B, W, K, k], fill where invalid
+        return jnp.where(valid, block_lists.by_selection(per_entry, lists, shape), fill)
+
+    lse_e, cross, mass = terms
+    lse_z = jax.nn.logsumexp(by_slot(jnp.logaddexp(*lse_e), -jnp.inf), axis=3)
+    mass = by_slot(mass, 0.0).sum(axis=3)
+    kl = by_slot(cross, 0.0).sum(axis=3) + jnp.where(mass > 0, lse_z * mass, 0.0)
+    return kl, lse_z
 
 
 def _launch(geo: chunks.Geometry, tiling: Tiling, operands: dict, outputs: dict, interpret: bool):

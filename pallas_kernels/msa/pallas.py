@@ -12,7 +12,9 @@
   `Config.teacher_bytes`, else the backward's gradients kernel takes it from its own P).
   `Config.kl_kernel="slots"` takes the student out of both: the attention pass without it, the
   teacher pass (on the backward's items: `mosaic_backward.teacher_pass`), then the student's LSE
-  and KL one row per entry in the student's kernel (mosaic_student.py).
+  and KL one row per entry in the student's kernel (mosaic_student.py). Under a KL sink
+  (`reference.kl_through_sink`: a training step's way) the forward runs no student at all: the
+  backward's student kernel takes LSE_z and the KL from the gradients kernel's teacher.
   The default, "auto", takes them where they were measured faster on the H200 (compiled, G a
   multiple of 8: 2.0× the Triton forward without a student, 1.04× small-gpu's training step at
   32K, benchmarks/RESULTS.md) and the Triton forward elsewhere. `Config.backward_kernel`
@@ -61,7 +63,12 @@ from pallas_kernels.msa import (
     mosaic_student,
     selection_kernel,
 )
-from pallas_kernels.msa.reference import SAVED_BY_ANY_REMAT, SAVED_BY_REMAT, Student
+from pallas_kernels.msa.reference import (
+    SAVED_BY_ANY_REMAT,
+    SAVED_BY_REMAT,
+    Student,
+    kl_through_sink,
+)
 from pallas_kernels.msa.xla import block_recall, dense_attention
 
 __all__ = ["block_recall", "dense_attention", "sparse_attention", "top_blocks"]
@@ -333,11 +340,14 @@ def sparse_attention(
     block_size: int,
     student: Student = None,
     query_slots: jax.Array | None = None,
+    kl_sink: jax.Array | None = None,
     config: Config = Config(),
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Same arguments and results as `reference.sparse_attention` (query slots as runs: module
-    docstring)."""
+    docstring). A KL sink behind the Mosaic forward and backward leaves the student out of the
+    forward (the attention pass alone): the backward's student kernel takes LSE_z and the KL from
+    the gradients kernel's teacher. Elsewhere the forward computes the KL, routed to the sink."""
     index_q, index_k = (q, None) if student is None else student
     reason = unsupported_reason(
         q, k, index_q, block_size=block_size, config=config, interpret=interpret
@@ -345,6 +355,15 @@ def sparse_attention(
     if reason:
         raise ValueError(f"MSA kernels: {reason}")
     config = concrete(config, q, k, index_q, block_size, interpret)
+    sinks = student is not None and kl_sink is not None
+    if kl_sink is not None and not (sinks and config.uses_mosaic
+                                    and config.backward_kernel == "mosaic"):  # fmt: skip
+        out, kl = sparse_attention(q, k, v, block_indices, segment_ids, positions,
+                                   block_size=block_size, student=student,
+                                   query_slots=query_slots, config=config, interpret=interpret)
+        return out, kl_through_sink(kl, kl_sink)
+    if sinks and kl_sink.shape != (*q.shape[:2], k.shape[2]):
+        raise ValueError(f"kl_sink has shape {kl_sink.shape}, the KL {(*q.shape[:2], k.shape[2])}")
     batch, num_queries, num_heads, head_dim = q.shape
     num_kv_heads, topk = k.shape[2], block_indices.shape[-1]
     starts = run_starts(query_slots, num_queries)
@@ -370,12 +389,12 @@ def sparse_attention(
         for tiling in (forward_tiling, config.backward_tiling)
     )
     attention = _attention(forward_geo, backward_geo, config, _interpret(interpret),
-                           student is not None, num_queries)  # fmt: skip
+                           student is not None, num_queries, sinks)  # fmt: skip
     index_q = None if student is None else index_q
     # the kernels read the key row's segment ids, and the queries' own positions
     query_positions = at_query_slots(positions, query_slots)
     return attention(q, k, v, index_q, index_k, block_indices, segment_ids, query_positions,
-                     starts)  # fmt: skip
+                     starts, kl_sink if sinks else None)  # fmt: skip
 
 
 class _Windows:
@@ -437,12 +456,14 @@ def _flat(x):  # [B, N, heads, D] -> [B·N·heads, D]
 
 
 def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_student: bool,
-               num_queries: int):
+               num_queries: int, sinks: bool):  # fmt: skip
     """The custom-VJP sparse attention of a whole row, computed window by window (the two
-    geometries differ only in their chunks' queries)."""
+    geometries differ only in their chunks' queries). sinks: the KL goes to a sink (its value
+    the sink's cotangent) and the backward computes it: the forward runs no student."""
     kernels = dict(interpret=interpret)
     geo = forward_geo
     mosaic = config.uses_mosaic
+    forward_student = with_student and not sinks
     teacher_size = geo.batch * num_queries * geo.num_kv_heads * geo.topk * geo.block_size * 4
     keeps_teacher = config.backward_kernel == "mosaic" and teacher_size <= config.teacher_bytes
     selection_shape = (geo.batch, geo.window, geo.num_kv_heads, geo.topk)
@@ -470,7 +491,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         chunk_walk = mosaic_forward.walk(geo, lists, q, segment_ids, offset)
         run = functools.partial(mosaic_attention, geo, tiling, lists, valid, chunk_walk, keys,
                                 index_keys, segment_ids, window)  # fmt: skip
-        if not (with_student and config.kl_kernel == "slots"):
+        if not (forward_student and config.kl_kernel == "slots"):
             return run()
         bound = mosaic_backward.segment_bound(geo, tiling)
         if config.few_documents:  # no window overflows the slots
@@ -487,7 +508,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         its per-entry terms)."""
         q, index_q, _, _, offset = window
         student = None
-        if with_student and slots_bound is None:
+        if forward_student and slots_bound is None:
             student = (mosaic_forward.index_rows(index_q, q.dtype), index_keys)
         o, lse_e, lse_z_e = mosaic_forward.forward(geo, tiling, chunk_walk, *keys, student,
                                                    **kernels)  # fmt: skip
@@ -501,24 +522,21 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             # each entry's KL share sits in its first row; a query's k shares add up
             first_rows = kl_e.reshape(-1, mosaic_forward.entry_rows(geo.group))[:, 0]
             kl = by_slot(first_rows, lists, valid, 0.0).sum(axis=3)
-        elif with_student:
+        elif forward_student:
             teacher = mosaic_backward.teacher_pass(geo, config.teacher, lists, chunk_walk, keys,
                                                    lse, **kernels)  # fmt: skip
             entries = dict(index_q=index_q, q=chunk_walk.q_rows, teacher=teacher,
                            segment_ids=segment_ids, offset=offset)  # fmt: skip
             operands = dict(chunk_walk.operands(), kseg=keys[2])
-            lse_z_e, cross, mass = mosaic_student.kl_terms(
-                geo, tiling, lists, operands, entries, index_keys, slots_bound, **kernels
-            )
-            lse_z = jax.nn.logsumexp(by_slot(jnp.logaddexp(*lse_z_e), lists, valid, -jnp.inf), 3)
-            mass = by_slot(mass, lists, valid, 0.0).sum(axis=3)  # 1 where the query sees keys
-            kl = by_slot(cross, lists, valid, 0.0).sum(axis=3)
-            kl = kl + jnp.where(mass > 0, lse_z * mass, 0.0)
+            terms = mosaic_student.kl_terms(geo, tiling, lists, operands, entries, index_keys,
+                                            slots_bound, **kernels)  # fmt: skip
+            kl, lse_z = mosaic_student.query_kl(geo, lists, valid, terms)
             teacher = teacher if keeps_teacher else None
         return out.astype(q.dtype), kl, lse, lse_z, teacher
 
-    def forward_window(k, v, index_k, segments, window):
-        geo, tiling = forward_geo, config.forward
+    def forward_window(geo, k, v, index_k, segments, window):
+        """The Triton forward of a window (`geo`: with the Triton forward's chunks)."""
+        tiling = config.forward
         q, index_q, blocks, positions, offset = window
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         student = (_flat(index_q), _flat(index_k)) if with_student else None
@@ -539,26 +557,30 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         kl = by_slot(kl_part, lists, valid, 0.0).sum(axis=3) if with_student else None
         return out, kl, lse, lse_z, None
 
-    def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts):
+    def forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts, kl_sink):
+        del kl_sink  # only its cotangent counts
         windows = _Windows(geo, num_queries, starts)
         segments = segment_ids.reshape(-1).astype(jnp.int32)
-        inputs = windows.queries(q, index_q if with_student else None, blocks, positions)
+        inputs = windows.queries(q, index_q if forward_student else None, blocks, positions)
         if mosaic:
             shifted = lambda x: mosaic_forward.shifted_keys(x, geo.block_size)  # noqa: E731
             keys = (shifted(k), shifted(v), shifted(segment_ids.astype(jnp.int32)))
-            index_keys = shifted(index_k.astype(q.dtype)) if with_student else None
+            index_keys = shifted(index_k.astype(q.dtype)) if forward_student else None
             attend = functools.partial(mosaic_window, keys, index_keys, segment_ids)
         else:
-            attend = functools.partial(forward_window, k, v, index_k, segments)
+            attend = functools.partial(forward_window, geo, k, v, index_k, segments)
 
         def step(joined, index):
             out, kl, *saved = attend(windows.window(inputs, index))
             return windows.put(joined, (out, kl), index), saved
 
+        kl_shape = (geo.num_kv_heads,)
         joined = (windows.buffer(q.shape[2:], q.dtype),
-                  windows.buffer((geo.num_kv_heads,), jnp.float32) if with_student else None)
+                  windows.buffer(kl_shape, jnp.float32) if forward_student else None)
         (out, kl), (lse, lse_z, teacher) = jax.lax.scan(step, joined, jnp.arange(windows.count))
         out, kl = windows.unpadded(out), kl if kl is None else windows.unpadded(kl)
+        if sinks:  # zeros that carry d_kl into the backward (reference.kl_through_sink)
+            kl = jnp.zeros((*q.shape[:2], *kl_shape), jnp.float32)
         out, teacher = (None if x is None else checkpoint_name(x, SAVED_BY_REMAT)
                         for x in (out, teacher))  # fmt: skip
         lse, lse_z = (None if x is None else checkpoint_name(x, SAVED_BY_ANY_REMAT)
@@ -596,7 +618,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         if with_student:
             diq_part = diq_part.reshape(parts, -1, geo.index_dim)
             diq = selection_sums(diq_part, lists, valid).astype(index_q.dtype)
-        return sums, (dq, diq)
+        return sums, (dq, diq, None)
 
     def key_sums(added, stored, k, v, index_k):
         """The Triton backward's `accumulators` (added, stored) -> dk, dv [B, S, K, Dh] and
@@ -610,11 +632,18 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
     def triton_fallback(k, v, index_k, segments, sums, window):
         """A window the Mosaic backward has no room for (more segments than `segment_bound`:
         rows of many short documents) through the Triton backward, its sums in the Mosaic
-        backward's layout."""
+        backward's layout; under a KL sink, LSE_z and the KL from the Triton forward first."""
+        kl = None
+        if sinks:
+            triton_geo = dataclasses.replace(
+                forward_geo, chunk_queries=config.forward.chunk_queries(forward_geo.group)
+            )
+            _, kl, _, lse_z, _ = forward_window(triton_geo, k, v, index_k, segments, window[:5])
+            window = (*window[:9], lse_z, *window[10:])
         start = tuple(backward_kernel.accumulators(fallback_geo, with_student) for _ in range(2))
         (added, stored), grads = triton_window(fallback_geo, k, v, index_k, segments, start, window)
         new = key_sums(added, stored, k, v, index_k)[: len(sums)]
-        return mosaic_backward.with_key_gradients(backward_geo, sums, new), grads
+        return mosaic_backward.with_key_gradients(backward_geo, sums, new), (*grads[:2], kl)
 
     def mosaic_backward_window(keys, index_keys, segment_ids, lists, sums, window):
         """The Mosaic backward of a window; sums: `mosaic_backward.running_sums`."""
@@ -625,15 +654,15 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         # takes it from its P
         operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
                         d_kl=d_kl, index_q=index_q, segment_ids=segment_ids, offset=offset,
-                        teacher=teacher)  # fmt: skip
-        dq_e, sums, diq_e = mosaic_backward.window_gradients(
+                        teacher=teacher, valid=valid)  # fmt: skip
+        dq_e, sums, diq_e, kl = mosaic_backward.window_gradients(
             geo, tiling, lists, operands, keys, index_keys, sums=sums, **kernels
         )
         dq = selection_sums(dq_e, lists, valid).reshape(q.shape).astype(q.dtype)
         diq = None
         if with_student:
             diq = selection_sums(diq_e[0], lists, valid, diq_e[1]).astype(index_q.dtype)
-        return sums, (dq, diq)
+        return sums, (dq, diq, kl)
 
     def backward(residuals, cotangents):
         (q, k, v, index_q, index_k, blocks, segment_ids, positions, starts, out, lse, lse_z,
@@ -678,23 +707,26 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             return (sums, windows.put(joined, grads, index)), None
 
         joined = (windows.buffer(q.shape[2:], q.dtype),
-                  windows.buffer(index_q.shape[2:], index_q.dtype) if with_student else None)
+                  windows.buffer(index_q.shape[2:], index_q.dtype) if with_student else None,
+                  windows.buffer((geo.num_kv_heads,), jnp.float32) if sinks else None)
         stacked = (jnp.arange(windows.count), lse, lse_z, teacher)
-        (sums, (dq, diq)), _ = jax.lax.scan(step, (tuple(start), joined), stacked)
+        (sums, (dq, diq, kl)), _ = jax.lax.scan(step, (tuple(start), joined), stacked)
         if mosaic_backward_kernel:
             dk, dv, *dik = mosaic_backward.key_gradients(backward_geo, sums)
             dik = dik[0] if with_student else None
         else:
             dk, dv, dik = key_sums(*sums, k, v, index_k)
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+        d_sink = windows.unpadded(kl) if sinks else None  # the sink's cotangent: the KL
         if not with_student:
-            return windows.unpadded(dq), dk, dv, None, None, None, None, None, None
+            return windows.unpadded(dq), dk, dv, None, None, None, None, None, None, None
         return (windows.unpadded(dq), dk, dv, windows.unpadded(diq), dik.astype(index_k.dtype),
-                None, None, None, None)
+                None, None, None, None, d_sink)
 
     @jax.custom_vjp
-    def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts):
-        return forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts)[0]
+    def attention(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts, kl_sink):
+        return forward(q, k, v, index_q, index_k, blocks, segment_ids, positions, starts,
+                       kl_sink)[0]  # fmt: skip
 
     attention.defvjp(forward, backward)
     return attention

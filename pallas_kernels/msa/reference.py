@@ -162,6 +162,7 @@ def sparse_attention(
     block_size: int,
     student: Student = None,
     query_slots: jax.Array | None = None,
+    kl_sink: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Exact GQA attention of each query over its group's selected blocks, causal, within documents.
 
@@ -170,14 +171,48 @@ def sparse_attention(
         `top_blocks`; segment_ids, positions: [B, T]; query_slots: [S] or None.
       student: (index_q [B, S, Hi, Di], index_k [B, T, Di]) or None: also return the indexer's
         KL(teacher ‖ student) over the selected keys (`indexer_kl`).
+      kl_sink: [B, S, Hi] fp32 or None (needs a student): the KL's value goes to the sink's
+        cotangent instead of the output (`kl_through_sink`), so a backend may compute it in the
+        backward, beside the student's gradients, rather than in the forward.
     Returns:
-      out [B, S, H, Dh], and KL [B, S, Hi] fp32 or None.
+      out [B, S, H, Dh], and KL [B, S, Hi] fp32 (zeros under a sink) or None.
     """
     attended = attended_keys(block_indices, segment_ids, positions, block_size, query_slots)
     out = gqa_attention(q, k, v, attended[:, :, None])  # the G heads of a group share a mask
     if student is None:
-        return out, None
-    return out, indexer_kl(q, k, *student, attended)
+        return out, kl_through_sink(None, kl_sink)
+    return out, kl_through_sink(indexer_kl(q, k, *student, attended), kl_sink)
+
+
+def kl_through_sink(kl: jax.Array | None, kl_sink: jax.Array | None) -> jax.Array | None:
+    """The KL [B, S, Hi] as `sparse_attention` returns it under `kl_sink` (None: `kl` itself):
+    zeros whose cotangent still reaches the KL (its gradients into the student are unchanged),
+    while the sink's cotangent is the KL's value. A training step that differentiates the sink
+    too thus reads the KL from its gradients (the loss' value lacks the KL's term then). Only
+    where the KL output takes part in the differentiated function does its value arrive."""
+    if kl_sink is None:
+        return kl
+    if kl is None:
+        raise ValueError("a KL sink needs the indexer's student")
+    if kl_sink.shape != kl.shape:
+        raise ValueError(f"kl_sink has shape {kl_sink.shape}, the KL {kl.shape}")
+    return _sunk(kl, kl_sink)
+
+
+@jax.custom_vjp
+def _sunk(kl: jax.Array, kl_sink: jax.Array) -> jax.Array:
+    return jnp.zeros_like(kl)
+
+
+def _sunk_forward(kl, kl_sink):
+    return jnp.zeros_like(kl), kl
+
+
+def _sunk_backward(kl, d_kl):
+    return d_kl, kl.astype(jnp.float32)
+
+
+_sunk.defvjp(_sunk_forward, _sunk_backward)
 
 
 def indexer_kl(

@@ -41,7 +41,12 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import target
 from pallas_kernels.attention.reference import at_query_slots
 from pallas_kernels.msa import tpu_kernels, tpu_selection
-from pallas_kernels.msa.reference import SAVED_BY_ANY_REMAT, SAVED_BY_REMAT, Student
+from pallas_kernels.msa.reference import (
+    SAVED_BY_ANY_REMAT,
+    SAVED_BY_REMAT,
+    Student,
+    kl_through_sink,
+)
 from pallas_kernels.msa.tpu_selection import NO_SEGMENT
 from pallas_kernels.msa.xla import block_recall, dense_attention
 
@@ -268,6 +273,7 @@ def sparse_attention(
     block_size: int,
     student: Student = None,
     query_slots: jax.Array | None = None,
+    kl_sink: jax.Array | None = None,
     config: Config = Config(),
     interpret=None,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -280,4 +286,5 @@ def sparse_attention(
     geo = _geometry(q, k, index_dim, block_indices.shape[-1], block_size, config)
     attention = _attention(geo, _interpret(interpret))
     slots = None if query_slots is None else jnp.asarray(query_slots, jnp.int32)
-    return attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions, slots)
+    out, kl = attention(q, k, v, index_q, index_k, block_indices, segment_ids, positions, slots)
+    return out, kl_through_sink(kl, kl_sink)

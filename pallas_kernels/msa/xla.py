@@ -38,7 +38,7 @@ from pallas_kernels.attention.xla import (
     untile,
     visible_keys,
 )
-from pallas_kernels.msa.reference import Student
+from pallas_kernels.msa.reference import Student, kl_through_sink
 
 __all__ = ["block_recall", "dense_attention", "sparse_attention", "top_blocks"]
 
@@ -137,6 +137,7 @@ def sparse_attention(
     student: Student = None,
     query_tile: int = 64,
     query_slots: jax.Array | None = None,
+    kl_sink: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Each query head attends over its group's selected blocks, causally, within its document.
 
@@ -189,7 +190,7 @@ def sparse_attention(
     )
     out, kl = jax.lax.map(jax.checkpoint(attend_tile, prevent_cse=False), xs)
     out = untile(out, seq).reshape(batch, seq, num_heads, head_dim)
-    return out, None if kl is None else untile(kl, seq)
+    return out, kl_through_sink(None if kl is None else untile(kl, seq), kl_sink)
 
 
 def block_recall(

@@ -70,8 +70,9 @@ def packed_batch() -> Batch:
                       loss_mask=(segments > 0).astype(np.float32))  # fmt: skip
 
 
-def loss_and_grads(mesh=None, attention_impl: str | None = None):
-    """(loss, metrics, gradients) of the training loss on `mesh` (None: one device)."""
+def loss_and_grads(mesh=None, attention_impl: str | None = None, kl_sinks: bool = False):
+    """(loss, metrics, gradients) of the training loss on `mesh` (None: one device); kl_sinks:
+    the gradients (params', the MSA layers' KL sinks') as the training step takes them."""
     config = RUN.model
     if attention_impl is not None:
         config = dataclasses.replace(config, attention_impl=attention_impl)
@@ -81,15 +82,22 @@ def loss_and_grads(mesh=None, attention_impl: str | None = None):
     if mesh is not None:
         params = jax.device_put(params, sharding.tree_shardings(model.param_axes, params, mesh))
         batch = jax.device_put(batch, sharding.batch_sharding(mesh))
-    loss_fn = jax.value_and_grad(make_loss_fn(model, RUN), has_aux=True)
+    loss_fn = make_loss_fn(model, RUN)
+
+    def sunk_loss_fn(differentiated, *args):
+        params, sinks = differentiated
+        return loss_fn(params, *args, sinks)
 
     @jax.jit
-    def step(params, batch):
+    def step(differentiated, batch):
         totals = loss_totals(batch, RUN.model.mtp.num_modules, 1)
-        (loss, (metrics, _)), grads = loss_fn(params, buffers, batch, MODE, totals)
-        return loss, {k: v for k, v in metrics.items() if k not in MESH_STATISTICS}, grads
+        (loss, (metrics, _)), grads = jax.value_and_grad(sunk_loss_fn, has_aux=True)(
+            differentiated, buffers, batch, MODE, totals
+        )
+        metrics = {k: v for k, v in metrics.items() if k not in MESH_STATISTICS}
+        return loss, metrics, grads if kl_sinks else grads[0]
 
-    return step(params, batch)
+    return step((params, model.kl_sinks() if kl_sinks else None), batch)
 
 
 @functools.cache
@@ -126,6 +134,20 @@ def test_a_row_that_does_not_split_into_2n_chunks_is_refused():
         ValueError, match="sequence length 12 is not a multiple of 2 × mesh.seq = 8"
     ):
         context_parallel.to_balanced(jnp.zeros((1, 12)), mesh_of({"seq": 4}))
+
+
+def test_kl_sinks_on_seq2_give_one_devices_kl_and_gradients():
+    """The training step's KL sinks under context parallelism (each device's chunks' sinks):
+    their gradients are one device's per-layer KLs, the loss plus their weighted sum its loss,
+    and the parameters' gradients its gradients."""
+    loss, metrics, (grads, sink_grads) = loss_and_grads(mesh_of({"seq": 2}), kl_sinks=True)
+    loss_ref, metrics_ref, grads_ref = one_device()
+    kls = [g for g in sink_grads if g is not None]
+    assert len(kls) == 1 and kls[0].shape == (1,)
+    np.testing.assert_allclose(kls[0][0], metrics_ref["msa_kl_layer1"], rtol=1e-5)
+    assert float(metrics["msa_kl_layer1"]) == 0 and float(kls[0][0]) > 0.01
+    np.testing.assert_allclose(loss + RUN.model.msa.kl_weight * kls[0][0], loss_ref, rtol=1e-6)
+    assert_trees_close(grads, grads_ref)
 
 
 @pytest.mark.slow

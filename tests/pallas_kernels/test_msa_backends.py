@@ -120,10 +120,12 @@ def test_sparse_attention_and_kl_match_reference(backend, block_size, topk, loca
 
 
 def loss_of(module, blocks, segments, positions, block_size, weights, **kwargs):
-    def loss(q, k, v, index_q, index_k):
+    """A random linear function of out and the KL, of (q, k, v, index_q, index_k[, kl_sink])."""
+
+    def loss(q, k, v, index_q, index_k, kl_sink=None):
         out, kl = module.sparse_attention(q, k, v, blocks, segments, positions,
                                           block_size=block_size, student=(index_q, index_k),
-                                          **kwargs)  # fmt: skip
+                                          kl_sink=kl_sink, **kwargs)  # fmt: skip
         return (out * weights).sum() + (kl * weights[..., :1, 0]).sum()
 
     return loss
@@ -143,6 +145,31 @@ def test_sparse_attention_gradients_match_reference(backend, block_size, topk, l
     for name, g, e in zip(("q", "k", "v", "index_q", "index_k"), got, expected):
         np.testing.assert_allclose(g, e, atol=GRAD_TOLERANCE, err_msg=name)
         assert float(jnp.abs(e).max()) > 1e-3, name  # every input really gets a gradient
+
+
+@pytest.mark.parametrize("backend", ["reference", *BUT_TPU_SLOW])
+def test_a_kl_sink_moves_the_kl_to_its_gradient_and_keeps_the_others(backend):
+    """Under `kl_sink` the KL output is zeros, the sink's gradient is the KL, and the inputs'
+    gradients (the KL's into the student among them) are those without a sink."""
+    module, kwargs = BACKENDS.get(backend, (reference, {}))
+    q, k, v, index_q, index_k, segments, positions = x = inputs()
+    blocks = select(x, 16, 2, 1)
+    weights = jax.random.normal(jax.random.key(9), q.shape)
+    loss = loss_of(module, blocks, segments, positions, 16, weights, **kwargs)
+    args = (q, k, v, index_q, index_k)
+    value, grads = jax.value_and_grad(loss, argnums=range(5))(*args)
+    sink = jnp.zeros(index_q.shape[:3], jnp.float32)
+    sunk_value, sunk_grads = jax.value_and_grad(loss, argnums=range(6))(*args, sink)
+    _, expected_kl = reference.sparse_attention(q, k, v, blocks, segments, positions,
+                                                block_size=16, student=(index_q, index_k))
+    np.testing.assert_allclose(sunk_grads[5], expected_kl, atol=F32_TOLERANCE)
+    kl_term = (expected_kl * weights[..., :1, 0]).sum()
+    np.testing.assert_allclose(sunk_value + kl_term, value, rtol=1e-5)
+    for name, g, e in zip(("q", "k", "v", "index_q", "index_k"), sunk_grads, grads):
+        np.testing.assert_allclose(g, e, atol=GRAD_TOLERANCE, err_msg=name)
+    with pytest.raises(ValueError, match="student"):
+        module.sparse_attention(q, k, v, blocks, segments, positions, block_size=16,
+                                kl_sink=sink, **kwargs)  # fmt: skip
 
 
 FORWARD_KERNELS = {"pallas": ("msa_lse", "msa_forward"), "tpu": ("msa_tpu_forward",)}  # KL aside

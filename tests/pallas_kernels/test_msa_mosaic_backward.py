@@ -168,20 +168,23 @@ def test_no_remat_recompute_runs_the_kl_passes_for_the_lses(remat, launches):
     assert text.count("custom_call @mosaic_gpu") == launches
 
 
-@pytest.mark.parametrize("with_student", [False, True])
-def test_few_documents_leaves_the_fallbacks_and_their_conditionals_out(with_student):
+@pytest.mark.parametrize("with_student, sink", [(False, False), (True, False), (True, True)])
+def test_few_documents_leaves_the_fallbacks_and_their_conditionals_out(with_student, sink):
     """`Config.few_documents` (the host checked the rows' documents): the program lowered for
     CUDA has no `lax.cond` (XLA:GPU reads a conditional's predicate on the host, so the step's
     dispatch would wait for the device) and only the Mosaic kernels of windows that fit: the
     attention pass, with a student the teacher pass and the student's kernel (the KL on slots),
-    then the gradients kernel and with a student the student's gradients."""
+    then the gradients kernel and with a student the student's gradients. Under a KL sink the
+    forward is the attention pass alone, the student's kernel runs twice in the backward (LSE_z
+    and the KL, then the gradients)."""
     tiling = mosaic_forward.Tiling(segment_chunks=32)
     config = pallas.Config(forward_kernel="mosaic", backward_kernel="mosaic",
                            mosaic_backward=tiling, few_documents=True)  # fmt: skip
 
     def loss(q, k, v, blocks, segments, positions, *index):
+        kl_sink = jnp.zeros((*q.shape[:2], k.shape[2]), jnp.float32) if sink else None
         out, kl = pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
-                                          student=index or None, config=config,
+                                          student=index or None, kl_sink=kl_sink, config=config,
                                           interpret=False)  # fmt: skip
         return out.astype(jnp.float32).sum() + (0.0 if kl is None else kl.sum())
 
@@ -190,7 +193,8 @@ def test_few_documents_leaves_the_fallbacks_and_their_conditionals_out(with_stud
     grad = jax.jit(jax.grad(loss, argnums=differentiated))
     text = grad.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
-    assert text.count("custom_call @mosaic_gpu") == (3 + 2 if with_student else 1 + 1)
+    launches = {(False, False): 1 + 1, (True, False): 3 + 2, (True, True): 1 + 3}
+    assert text.count("custom_call @mosaic_gpu") == launches[with_student, sink]
 
 
 def test_unsupported_reason_names_the_backward_limits():
@@ -281,7 +285,8 @@ def test_running_sums_hold_each_keys_gradients_at_its_padded_key_row():
 def test_a_window_of_more_segments_than_room_takes_the_triton_backward(with_student):
     """Rows of many short documents (3 tokens each: a list per (block, document)) need more
     segments than `segment_bound` makes room for: that window's gradients come from the Triton
-    backward (under a `lax.cond`), equal to the reference's, not NaN."""
+    backward (under a `lax.cond`), equal to the reference's, not NaN; under a KL sink (the
+    Mosaic forward ran no student) with LSE_z and the KL from the Triton forward's kernels."""
     q, k, v, _, _, _ = inputs(4, 2, batch=1)
     seq = q.shape[1]
     segments = jnp.asarray(np.arange(seq) // 3 + 1, jnp.int32)[None]
@@ -306,6 +311,11 @@ def test_a_window_of_more_segments_than_room_takes_the_triton_backward(with_stud
     if not with_student:  # promised few documents, the window's dQ and key gradients are NaN
         unchecked = gradients(dataclasses.replace(config, few_documents=True), *args, index)
         assert all(np.isnan(as_f32(g)).any() for g in unchecked)
+        return
+    sunk = dataclasses.replace(config, forward_kernel="mosaic", mosaic=FORWARD)
+    got, kl = sunk_gradients(sunk, *args, index)
+    assert_gradients_equal(got, reference_gradients(*args, index))
+    np.testing.assert_allclose(kl, reference_kl(*args, index), atol=KL_TOLERANCE)
 
 
 def test_slot_layout_gives_each_segment_whole_slots_and_maps_entries_both_ways():
@@ -390,3 +400,52 @@ def test_query_runs_through_the_mosaic_kernels_equal_the_whole_row():
         assert_gradients_equal(grads[:2], [g[:, rows] for g in whole_grads[:2]])
     summed = [as_f32(a) + as_f32(b) for a, b in zip(parts[0][0][2:], parts[1][0][2:])]
     assert_gradients_equal(summed, whole_grads[2:])
+
+
+FORWARD = mosaic_forward.Tiling(segment_chunks=2)  # one warpgroup: the interpreter's time
+KL_TOLERANCE = 1e-4
+
+
+def sunk_gradients(config, q, k, v, blocks, segments, positions, index):
+    """`gradients`' loss with the KL through a sink: (d(q, k, v, index_q, index_k), the sink's
+    gradient)."""
+    keys = jax.random.split(jax.random.key(7), 2)
+    weights = jax.random.normal(keys[0], q.shape)
+    kl_weights = jax.random.normal(keys[1], (*q.shape[:2], k.shape[2]))
+
+    def loss(q, k, v, index_q, index_k, kl_sink):
+        out, kl = pallas.sparse_attention(q, k, v, blocks, segments, positions, block_size=BLOCK,
+                                          student=(index_q, index_k), kl_sink=kl_sink,
+                                          config=config, interpret=True)  # fmt: skip
+        return (out.astype(jnp.float32) * weights).sum() + (kl * kl_weights).sum(), kl
+
+    sink = jnp.zeros((*q.shape[:2], k.shape[2]), jnp.float32)
+    grads, kl = jax.grad(loss, argnums=range(6), has_aux=True)(q, k, v, *index, sink)
+    assert not np.asarray(kl).any()  # the KL output: zeros
+    return grads[:5], grads[5]
+
+
+def reference_kl(q, k, v, blocks, segments, positions, index):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, *index)]
+    return reference.sparse_attention(*f32[:3], blocks, segments, positions, block_size=BLOCK,
+                                      student=tuple(f32[3:]))[1]  # fmt: skip
+
+
+@pytest.mark.parametrize("kl_kernel", ["slots", "pass"])
+def test_a_kl_sink_leaves_the_student_to_the_backward(kl_kernel):
+    """Under a KL sink the Mosaic forward is the attention pass alone (no teacher pass, no
+    student's kernel, no KL pass, whatever `kl_kernel`); the backward's student kernel takes
+    LSE_z and the KL from the gradients kernel's teacher: the sink's gradient is the reference's
+    KL, the inputs' gradients are the reference's."""
+    args = inputs(16, 1, batch=1)
+    index = student(1, args[0].shape[1], 1)
+    config = dataclasses.replace(mosaic("mosaic", kl_kernel=kl_kernel), mosaic=FORWARD)
+    with (mock.patch.object(mosaic_backward, "teacher_pass") as teacher_pass,
+          mock.patch.object(mosaic_forward, "kl_pass") as kl_pass,
+          mock.patch.object(mosaic_student, "kl_terms",
+                            wraps=mosaic_student.kl_terms) as kl_terms):  # fmt: skip
+        got, kl = sunk_gradients(config, *args, index)
+    assert not teacher_pass.called and not kl_pass.called and kl_terms.call_count == 1
+    assert_gradients_equal(got, reference_gradients(*args, index=index))
+    np.testing.assert_allclose(kl, reference_kl(*args, index), atol=KL_TOLERANCE)
+    assert float(kl.max()) > 0.05  # a KL, not zeros

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from test_chunked_loss import plain_token_losses as plain_losses
 from tiny import tiny_run
 
@@ -171,3 +172,44 @@ def test_chunked_lm_loss_gives_the_plain_logits_loss_and_gradients(monkeypatch):
         scale = np.abs(grad).max()
         np.testing.assert_allclose(actual, grad, rtol=1e-5, atol=1e-5 * scale, err_msg=str(path))
     assert np.abs(chunked[2]["lm_head"]).max() > 0
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_kl_through_sinks_gives_the_loss_metrics_and_gradients_of_the_kl_in_the_loss(parts):
+    """The step differentiates the trunk's MSA layers' KL sinks (the kernels may then compute the
+    KL in the backward): their gradients give each layer's KL back, so the loss, `msa_kl` and
+    every `msa_kl_<layer>` (an MTP module's MSA layer's KL still from its forward) equal those
+    of the loss function without sinks, and so do the parameters' gradients; with gradient
+    accumulation too."""
+    run = tiny_run(
+        model={"num_layers": 3, "layer_types": ["full", "msa", "msa"],
+               "mlp_layer_types": ["dense", "moe", "moe"], "mtp": {"num_modules": 1},
+               "msa": {"kl_weight": 0.7}},
+        train={"grad_accum_steps": parts},
+    )  # fmt: skip
+    model = functional(run.model)
+    optimizer = make_optimizer(run.optimizer, run.train.steps, model.param_axes)
+    state = init_state(model, optimizer, seed=0)
+    batch = random_batch(batch=4)
+    mode = ForwardMode(indexer_loss=True)
+    assert [s is None for s in model.kl_sinks()] == [True, False]
+    gradients, _ = train_step.make_step_halves(model, optimizer, learning_rate(run.optimizer, 10),
+                                               run)  # fmt: skip
+    grads, (loss, metrics, _) = jax.jit(gradients, static_argnums=2)(state, batch, mode)
+    totals = loss_totals(batch, run.model.mtp.num_modules, 1)
+    loss_and_grad = jax.value_and_grad(make_loss_fn(model, run), has_aux=True)
+    (expected_loss, (expected, _)), expected_grads = jax.jit(loss_and_grad, static_argnums=3)(
+        state["params"], state["buffers"], batch, mode, totals
+    )
+    # under sinks the loss function leaves the trunk's KLs out: the step got them from the sinks
+    _, (sunk, _) = make_loss_fn(model, run)(state["params"], state["buffers"], batch, mode,
+                                            totals, model.kl_sinks())  # fmt: skip
+    assert float(sunk["msa_kl_layer1"]) == 0 and float(sunk["msa_kl_mtp0"]) > 0.01
+    kl_names = ["msa_kl", "msa_kl_layer1", "msa_kl_layer2", "msa_kl_mtp0"]
+    assert kl_names[1:] == [name for name in expected if name.startswith("msa_kl_")]
+    for name in kl_names:
+        assert float(expected[name]) > 0.01, name  # a KL, not zeros
+        np.testing.assert_allclose(metrics[name], expected[name], rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
