@@ -133,7 +133,8 @@ class Attention(nnx.Module):
         self.mesh = mesh
 
     def __call__(
-        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode, kl_sink=None
+        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode,
+        kl_sink: jax.Array | None = None,
     ) -> tuple[jax.Array, MSAStats | None, LayerCache | None]:
         """x: [B, S, D] normed hidden state -> ([B, S, D], MSAStats on MSA layers, this layer's
         LayerCache entries with mode.kv_cache).

@@ -64,7 +64,8 @@ class DecoderLayer(nnx.Module):
             )
 
     def __call__(
-        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode, kl_sink=None
+        self, x: jax.Array, inputs: AttentionInputs, mode: ForwardMode,
+        kl_sink: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerStats]:
         """x: [B, S, D] -> ([B, S, D], its LayerStats: moe, msa, cache as the layer and `mode`
         have them). kl_sink: an MSA layer's (m3jax/attention.py: `Attention.__call__`) or None."""

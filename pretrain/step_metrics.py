@@ -75,7 +75,9 @@ def msa_metrics(stats: list[LayerStats], token_shares: list, labels: list[str]):
     return kl_sum, metrics
 
 
-def with_sunk_kl(kl_weight: float, loss, metrics: dict, sink_grads: list, labels: list[str]):
+def with_sunk_kl(
+    kl_weight: float, loss: jax.Array, metrics: dict, sink_grads: list, labels: list[str]
+) -> tuple[jax.Array, dict]:
     """(loss, metrics) of a step whose trunk's MSA layers sent their KLs to sinks (m3jax/model.py:
     `Functional.kl_sinks`): each layer's KL, its sink's gradient, added to its `msa_kl_<label>`
     (0 from the loss function; the trunk's layers come first in `labels`), `msa_kl` their mean
