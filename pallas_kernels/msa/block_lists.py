@@ -104,6 +104,14 @@ def by_selection(per_entry: jax.Array, lists: BlockLists, shape: tuple[int, ...]
     return per_entry[lists.sorted_position].reshape(*shape, *per_entry.shape[1:])
 
 
+def by_valid_selection(per_entry: jax.Array, lists: BlockLists, valid: jax.Array,
+                       fill) -> jax.Array:  # fmt: skip
+    """`by_selection` at the shape of `valid` [B, W, K, k] (the selections that hold a block),
+    `fill` where a selection holds none."""
+    values = by_selection(per_entry, lists, valid.shape)
+    return jnp.where(valid.reshape(*valid.shape, *[1] * (values.ndim - 4)), values, fill)
+
+
 def selection_sums(shares: jax.Array, rows: jax.Array, valid: jax.Array) -> jax.Array:
     """Σ over parts and over each query's k selections of `shares` [parts, R, ...] at `rows`
     [B, W, K, k] (the row of each selection; invalid selections add 0) -> [B, W, K, ...] fp32.

@@ -196,10 +196,8 @@ def query_kl(geo: chunks.Geometry, lists: block_lists.BlockLists, valid: jax.Arr
     the logsumexp of its selections' LSEs, the KL Σ of their cross terms + LSE_z · Σ of their
     masses (0 where the query sees no key). valid: [B, W, K, k] the selections that hold a
     block."""
-    shape = valid.shape
-
-    def by_slot(per_entry, fill):  # [E] at sorted positions -> [B, W, K, k], fill where invalid
-        return jnp.where(valid, block_lists.by_selection(per_entry, lists, shape), fill)
+    def by_slot(per_entry, fill):  # [E] at sorted positions -> [B, W, K, k]
+        return block_lists.by_valid_selection(per_entry, lists, valid, fill)
 
     lse_e, cross, mass = terms
     lse_z = jax.nn.logsumexp(by_slot(jnp.logaddexp(*lse_e), -jnp.inf), axis=3)

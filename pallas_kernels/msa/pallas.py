@@ -67,6 +67,7 @@ from pallas_kernels.msa.reference import (
     SAVED_BY_ANY_REMAT,
     SAVED_BY_REMAT,
     Student,
+    check_kl_sink,
     kl_through_sink,
 )
 from pallas_kernels.msa.xla import block_recall, dense_attention
@@ -362,8 +363,8 @@ def sparse_attention(
                                    block_size=block_size, student=student,
                                    query_slots=query_slots, config=config, interpret=interpret)
         return out, kl_through_sink(kl, kl_sink)
-    if sinks and kl_sink.shape != (*q.shape[:2], k.shape[2]):
-        raise ValueError(f"kl_sink has shape {kl_sink.shape}, the KL {(*q.shape[:2], k.shape[2])}")
+    if sinks:
+        check_kl_sink(kl_sink, (*q.shape[:2], k.shape[2]))
     batch, num_queries, num_heads, head_dim = q.shape
     num_kv_heads, topk = k.shape[2], block_indices.shape[-1]
     starts = run_starts(query_slots, num_queries)
@@ -478,9 +479,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
             chunk_queries=geo.chunk_queries, segment_chunks=tiling.segment_chunks,
         )  # fmt: skip
 
-    def by_slot(per_entry, lists, valid, fill):  # -> [B, W, K, k, ...], `fill` where invalid
-        values = block_lists.by_selection(per_entry, lists, selection_shape)
-        return jnp.where(valid.reshape(*selection_shape, *[1] * (values.ndim - 4)), values, fill)
+    by_slot = block_lists.by_valid_selection  # -> [B, W, K, k, ...], `fill` where invalid
 
     def mosaic_window(keys, index_keys, segment_ids, window):
         """The Mosaic forward of a window (`mosaic_attention`); with `kl_kernel="slots"` the

@@ -194,9 +194,14 @@ def kl_through_sink(kl: jax.Array | None, kl_sink: jax.Array | None) -> jax.Arra
         return kl
     if kl is None:
         raise ValueError("a KL sink needs the indexer's student")
-    if kl_sink.shape != kl.shape:
-        raise ValueError(f"kl_sink has shape {kl_sink.shape}, the KL {kl.shape}")
+    check_kl_sink(kl_sink, kl.shape)
     return _sunk(kl, kl_sink)
+
+
+def check_kl_sink(kl_sink: jax.Array, kl_shape: tuple[int, ...]) -> None:
+    """Refuses a KL sink that is not of the KL's shape [B, S, Hi]."""
+    if kl_sink.shape != tuple(kl_shape):
+        raise ValueError(f"kl_sink has shape {kl_sink.shape}, the KL {tuple(kl_shape)}")
 
 
 @jax.custom_vjp
