@@ -180,7 +180,7 @@ def window_gradients(geo: chunks.Geometry, tiling: Tiling, lists: block_lists.Bl
     computed it, else None). A window of more segments than `segment_bound` gets NaN in dQ and
     in the key rows its segments reach.
 
-    window: q, d_out [B, W, H, Dh], lse, delta [B, W, K, G], segment_ids [B, S], offset; with a
+    window: q, d_out (`WindowRows`), lse, delta [B, W, K, G], segment_ids [B, S], offset; with a
     student also index_q [B, W, K, Di], lse_z, d_kl [B, W, K] and the forward's teacher, or None:
     then the gradients kernel takes the teacher from its Pᵀ (`teacher_rows`). lse_z None (a KL
     sink: the forward ran no student): the student's kernel takes LSE_z and the KL from that

@@ -5,12 +5,13 @@ wgmma helpers.
 A chunk is R rows: chunk_queries entries of Ge rows each (an entry's G heads, zero-padded to a
 whole 8-row tile), in the sorted entry order of `block_lists.build`. With G a multiple of 8 a
 chunk's row matrices (Q, and dO in the backward) are TMA-copied entry by entry straight from their
-[B·W·H, D] arrays; with G < 8 XLA gathers them in sorted order first (`sorted_rows`) so that one
-copy fills a chunk.
+padded [B·C·W·H, D] arrays (`WindowRows`); with G < 8 XLA gathers them in sorted order first
+(`sorted_rows`) so that one copy fills a chunk.
 
 Shapes: G = H // K query heads per kv head, Ge = max(G, 8), R rows of a chunk, block keys.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -40,6 +41,35 @@ def gathers_queries(group: int) -> bool:
     return group % TILE_ROWS == 0
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WindowRows:
+    """A window's row matrix [B, W, H, D] (Q, dO) left in place in its padded [B, C·W, H, D]
+    array (pallas.py's windows): kernels that copy each entry's rows themselves
+    (`gathers_queries`) read them there, so XLA does not copy the window out first (Q and dO
+    are 2.1 GB each a layer at 128K tokens of M3's 64 heads)."""
+
+    padded: jax.Array
+    start: jax.Array  # int32 []: the window's first slot in `padded`
+    size: int = dataclasses.field(metadata=dict(static=True))  # W
+
+    @property
+    def dtype(self):
+        return self.padded.dtype
+
+    def sliced(self) -> jax.Array:
+        """The window itself [B, W, H, D] (an XLA copy: for the kernels that take no
+        `rows_at`)."""
+        return jax.lax.dynamic_slice_in_dim(self.padded, self.start, self.size, 1)
+
+    def rows_at(self) -> jax.Array:
+        """int32 [2]: the row of the window's query 0 in `padded`'s rows [B·C·W·H, D], and the
+        rows from the end of one batch row's window to the start of the next's (`fetch_chunk`)."""
+        _, length, heads, _ = self.padded.shape
+        between = jnp.asarray((length - self.size) * heads, jnp.int32)
+        return jnp.stack([self.start.astype(jnp.int32) * heads, between])
+
+
 def fetch_chunk(geo, ref, smem, slot, first_entry, matrices, student: bool, row_operands):
     """Issue the TMA copies of the chunk whose first sorted entry is `first_entry` into ring slot
     `slot`: the row matrices `matrices` (each entry's rows, or one copy of XLA-gathered rows) and
@@ -51,10 +81,16 @@ def fetch_chunk(geo, ref, smem, slot, first_entry, matrices, student: bool, row_
     # (b·W + i)·K + h of each entry (entries past the list: never stored)
     pairs = [ref["entries"][jnp.minimum(first_entry + query, geo.entries - 1)] // geo.topk
              for query in range(queries if direct or student else 0)]  # fmt: skip
+    if direct and matrices:  # entry rows in the padded arrays (`WindowRows.rows_at`)
+        window_row, between = ref["rows_at"][0], ref["rows_at"][1]
+        per_batch = geo.window * geo.num_kv_heads  # pairs of one batch row's window
+        # multiples of G: window_row and between count whole queries of H = K·G rows
+        first_rows = [pl.multiple_of(pair * group + window_row + pair // per_batch * between,
+                                     group) for pair in pairs]  # fmt: skip
     for name in matrices:
-        if direct:  # each entry's G rows from its [B·W·H, D] array
-            for query, pair in enumerate(pairs):
-                plgpu.copy_gmem_to_smem(ref[name].at[pl.ds(pair * group, group)],
+        if direct:  # each entry's G rows from its padded [B·C·W·H, D] array
+            for query, first_row in enumerate(first_rows):
+                plgpu.copy_gmem_to_smem(ref[name].at[pl.ds(first_row, group)],
                                         smem[name].at[slot, pl.ds(query * group, group)],
                                         bar)  # fmt: skip
         else:

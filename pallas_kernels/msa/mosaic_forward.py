@@ -97,6 +97,7 @@ from pallas_kernels.msa.mosaic_chunks import (
     TABLE_COLUMNS,
     TEACHER_TAIL,
     TILE_ROWS,
+    WindowRows,
     block_lse,
     broadcast,
     chunk_copies,
@@ -245,12 +246,13 @@ def _entry_pairs(geo: chunks.Geometry, lists: block_lists.BlockLists):
     return query, (lists.entries // geo.topk) % geo.num_kv_heads
 
 
-def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids, offset):
+def presort(geo: chunks.Geometry, lists: block_lists.BlockLists, q: WindowRows, segment_ids,
+            offset):  # fmt: skip
     """The kernel's Q operand (`sorted_rows`) and row data [2, E·Ge + R] int32 (query's global
     slot, its segment id) in sorted entry order, Ge rows per entry, padded by one chunk so every
     chunk's copy is in bounds.
 
-    q: [B, W, H, Dh] the window's queries; segment_ids: [B, S]; offset: slot of query 0.
+    q: the window's queries [B, W, H, Dh] in place; segment_ids: [B, S]; offset: slot of query 0.
     """
     data = jnp.pad(entry_data(geo, lists, segment_ids, offset), [(0, 0), (0, geo.chunk_queries)])
     return sorted_rows(geo, lists, q), jnp.repeat(data, entry_rows(geo.group), axis=1)
@@ -265,19 +267,21 @@ def entry_data(geo: chunks.Geometry, lists: block_lists.BlockLists, segment_ids,
     return jnp.stack([batch * geo.seq + slot, segment_ids.astype(jnp.int32)[batch, slot]])
 
 
-def sorted_rows(geo: chunks.Geometry, lists: block_lists.BlockLists, x) -> jax.Array:
-    """A row matrix of the kernels (Q, dO) from x [B, W, H, D]: its rows [B·W·H, D] as they are
-    where the kernel copies each entry's rows itself (`gathers_queries`), else rows [E·Ge + R, D]
-    in sorted entry order, padded like `presort`'s row data (an XLA gather: as many bytes as the
-    kernel's per-entry output, written and read once more)."""
+def sorted_rows(geo: chunks.Geometry, lists: block_lists.BlockLists, x: WindowRows) -> jax.Array:
+    """A row matrix of the kernels (Q, dO) from a window's rows x: the padded array's rows
+    [B·C·W·H, D] as they are where the kernel copies each entry's rows itself (`gathers_queries`,
+    at `WindowRows.rows_at`), else rows [E·Ge + R, D] in sorted entry order, padded like
+    `presort`'s row data (an XLA gather: as many bytes as the kernel's per-entry output, written
+    and read once more)."""
     if gathers_queries(geo.group):
-        return x.reshape(-1, x.shape[-1])
+        return x.padded.reshape(-1, x.padded.shape[-1])
     query, head = _entry_pairs(geo, lists)
-    grouped = x.reshape(geo.batch * geo.window, geo.num_kv_heads, geo.group, x.shape[-1])
+    window = x.sliced()
+    grouped = window.reshape(geo.batch * geo.window, geo.num_kv_heads, geo.group, -1)
     pad = geo.chunk_queries
     padded = (jnp.pad(query, (0, pad)), jnp.pad(head, (0, pad)))  # one gather writes the pad
     rows = jnp.pad(grouped[padded], [(0, 0), (0, entry_rows(geo.group) - geo.group), (0, 0)])
-    return rows.reshape(-1, x.shape[-1])
+    return rows.reshape(-1, window.shape[-1])
 
 
 def pad_keys(x: jax.Array, block_size: int) -> jax.Array:
@@ -367,18 +371,20 @@ class Walk(NamedTuple):
     entries: jax.Array  # [E] `BlockLists.entries`: ((b·W + i)·K + h)·k + j of each sorted entry
     q_rows: jax.Array  # `presort`
     row_data: jax.Array  # `presort`
+    rows_at: jax.Array  # `WindowRows.rows_at`: where the window's rows start in q_rows (and dO's)
 
     def operands(self) -> dict:
         """The kernels' first operands by name."""
         return dict(table=self.table, count=self.num_segments, entries=self.entries,
-                    q=self.q_rows, data=self.row_data)  # fmt: skip
+                    q=self.q_rows, data=self.row_data, rows_at=self.rows_at)  # fmt: skip
 
 
-def walk(geo: chunks.Geometry, lists: block_lists.BlockLists, q, segment_ids, offset) -> Walk:
+def walk(geo: chunks.Geometry, lists: block_lists.BlockLists, q: WindowRows, segment_ids,
+         offset) -> Walk:  # fmt: skip
     """A window's `Walk` (arguments as `presort`'s)."""
     table = segment_table(geo, lists)
     return Walk(table, lists.num_segments, lists.entries,
-                *presort(geo, lists, q, segment_ids, offset))  # fmt: skip
+                *presort(geo, lists, q, segment_ids, offset), q.rows_at())  # fmt: skip
 
 
 def forward(

@@ -63,6 +63,7 @@ from pallas_kernels.msa import (
     mosaic_student,
     selection_kernel,
 )
+from pallas_kernels.msa.mosaic_chunks import WindowRows
 from pallas_kernels.msa.reference import (
     SAVED_BY_ANY_REMAT,
     SAVED_BY_REMAT,
@@ -403,7 +404,9 @@ class _Windows:
     each run is cut into windows, its last padded: a [B, S, ...] array `padded` is [B, count·W,
     ...], window i its slots i·W .. i·W + W - 1. The loops over windows slice their operands out of
     padded arrays and write their results into them in place (`take`, `put`), where stacking the
-    windows first ([count, B, W, ...]) copies every operand and result once more at B > 1."""
+    windows first ([count, B, W, ...]) copies every operand and result once more at B > 1. The
+    row matrices (q, dO) are not sliced at all (`rows`): the Mosaic kernels read a window's rows
+    in the padded array."""
 
     def __init__(self, geo: chunks.Geometry, num_queries: int, starts: jax.Array):
         self.geo, self.runs = geo, starts.shape[0]
@@ -439,9 +442,14 @@ class _Windows:
         return (self.padded(q), None if index_q is None else self.padded(index_q),
                 self.padded(blocks, fill=-1), self.padded(positions))  # fmt: skip
 
+    def rows(self, padded, index) -> WindowRows:
+        """Window `index` of a padded row matrix (q, dO), left in place."""
+        return WindowRows(padded, index * self.geo.window, self.geo.window)
+
     def window(self, queries: tuple, index) -> tuple:
-        """Window `index` of `queries` and its offset: (q, index_q, blocks, positions, offset)."""
-        return (*self.take(queries, index), self.offsets[index])
+        """Window `index` of `queries` and its offset: (q, index_q, blocks, positions, offset),
+        q as `WindowRows`."""
+        return (self.rows(queries[0], index), *self.take(queries[1:], index), self.offsets[index])
 
     def put(self, buffers, values, index):
         """`buffers` (padded, a pytree) with window `index` set to `values` [B, W, ...]."""
@@ -537,6 +545,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         """The Triton forward of a window (`geo`: with the Triton forward's chunks)."""
         tiling = config.forward
         q, index_q, blocks, positions, offset = window
+        q = q.sliced()
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         student = (_flat(index_q), _flat(index_k)) if with_student else None
         offset = offset.reshape(1)
@@ -600,12 +609,13 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         """The Triton backward of a window; sums: (added, stored) `accumulators`."""
         tiling = config.backward
         q, index_q, blocks, positions, offset, d_out, delta, d_kl, lse, lse_z, _ = window
+        q, d_out = q.sliced(), d_out.sliced()
         lists, valid = lists_of(geo, tiling, blocks, positions, offset), blocks >= 0
         student = (_flat(index_q), _flat(index_k)) if with_student else None
         added, totals = sums
         dq_part, diq_part, added, stored = backward_kernel.backward_pass(
             geo, tiling, lists, offset.reshape(1), _flat(q), _flat(k), _flat(v), segments,
-            lse.reshape(-1), delta.reshape(-1), _flat(d_out.astype(q.dtype)), student,
+            lse.reshape(-1), delta.reshape(-1), _flat(d_out), student,
             None if lse_z is None else lse_z.reshape(-1),
             None if d_kl is None else d_kl.reshape(-1).astype(jnp.float32), added, **kernels,
         )  # fmt: skip
@@ -651,13 +661,14 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         valid = blocks >= 0
         # teacher None (behind the Triton forward, or too large to keep): the gradients kernel
         # takes it from its P
-        operands = dict(q=q, d_out=d_out.astype(q.dtype), lse=lse, delta=delta, lse_z=lse_z,
+        operands = dict(q=q, d_out=d_out, lse=lse, delta=delta, lse_z=lse_z,
                         d_kl=d_kl, index_q=index_q, segment_ids=segment_ids, offset=offset,
                         teacher=teacher, valid=valid)  # fmt: skip
         dq_e, sums, diq_e, kl = mosaic_backward.window_gradients(
             geo, tiling, lists, operands, keys, index_keys, sums=sums, **kernels
         )
-        dq = selection_sums(dq_e, lists, valid).reshape(q.shape).astype(q.dtype)
+        shape = (geo.batch, geo.window, geo.num_heads, geo.head_dim)
+        dq = selection_sums(dq_e, lists, valid).reshape(shape).astype(q.dtype)
         diq = None
         if with_student:
             diq = selection_sums(diq_e[0], lists, valid, diq_e[1]).astype(index_q.dtype)
@@ -671,7 +682,7 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, S, H]
         segments = segment_ids.reshape(-1).astype(jnp.int32)
         inputs = windows.queries(q, index_q if with_student else None, blocks, positions)
-        grads_in = (windows.padded(d_out), windows.padded(delta),
+        grads_in = (windows.padded(d_out.astype(q.dtype)), windows.padded(delta),
                     windows.padded(d_kl.astype(jnp.float32)) if with_student else None)  # fmt: skip
         mosaic_backward_kernel = config.backward_kernel == "mosaic"
         if mosaic_backward_kernel:
@@ -701,7 +712,8 @@ def _attention(forward_geo, backward_geo, config: Config, interpret: bool, with_
         def step(carry, stacked):
             sums, joined = carry
             index, *saved = stacked  # the forward's per-window residuals
-            window = (*windows.window(inputs, index), *windows.take(grads_in, index), *saved)
+            window = (*windows.window(inputs, index), windows.rows(grads_in[0], index),
+                      *windows.take(grads_in[1:], index), *saved)  # fmt: skip
             sums, grads = window_step(sums, window)
             return (sums, windows.put(joined, grads, index)), None
 

@@ -449,3 +449,26 @@ def test_a_kl_sink_leaves_the_student_to_the_backward(kl_kernel):
     assert_gradients_equal(got, reference_gradients(*args, index=index))
     np.testing.assert_allclose(kl, reference_kl(*args, index), atol=KL_TOLERANCE)
     assert float(kl.max()) > 0.05  # a KL, not zeros
+
+
+def test_windows_of_both_rows_read_their_queries_in_place():
+    """Windows of 128 queries (three a row, the last padded: 300 -> 384) in batch 2 through the
+    Mosaic forward and backward with the KL through a sink, G = 16: the kernels copy each
+    entry's Q and dO rows from the padded arrays (`WindowRows.rows_at`: the window's first row
+    and the rows between the batch rows' windows), not from XLA's copy of the window. Out, the
+    gradients and the KL equal the reference's."""
+    args = inputs(16, 1)
+    index = student(1, args[0].shape[1], 2)
+    config = dataclasses.replace(mosaic("mosaic", kl_kernel="slots"), mosaic=FORWARD,
+                                 partial_bytes=1, min_window=128)  # fmt: skip
+    with mock.patch.object(mosaic_forward, "sorted_rows",
+                           wraps=mosaic_forward.sorted_rows) as rows:  # fmt: skip
+        out, _ = pallas.sparse_attention(*args, block_size=BLOCK, config=config, interpret=True)
+        got, kl = sunk_gradients(config, *args, index)
+    windows = {call.args[2].padded.shape[1] // call.args[2].size for call in rows.call_args_list}
+    assert windows == {3}
+    f32 = [x.astype(jnp.float32) for x in args[:3]]
+    expected, _ = reference.sparse_attention(*f32, *args[3:], block_size=BLOCK)
+    np.testing.assert_allclose(as_f32(out), as_f32(expected), atol=2e-2)
+    assert_gradients_equal(got, reference_gradients(*args, index=index))
+    np.testing.assert_allclose(kl, reference_kl(*args, index), atol=KL_TOLERANCE)
