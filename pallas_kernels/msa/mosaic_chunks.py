@@ -54,7 +54,7 @@ class WindowRows:
     size: int = dataclasses.field(metadata=dict(static=True))  # W
 
     @property
-    def dtype(self):
+    def dtype(self) -> jnp.dtype:
         return self.padded.dtype
 
     def sliced(self) -> jax.Array:
